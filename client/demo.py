@@ -1,0 +1,60 @@
+"""`specdec demo`: both services as local processes, speculative vs target-only in one run."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import time
+
+from client.launcher import start_service
+from client.speculative import SpeculativeClient
+from specdec.sampling import SamplingParams
+
+DEFAULT_PROMPTS = (
+    "Explain in a short paragraph why the sky is blue.",
+    "Write a Python function that checks whether a number is prime.",
+    "List three tips for staying focused while studying.",
+)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    prompts = args.prompt or list(DEFAULT_PROMPTS)
+    drafter_args = shlex.split(args.drafter_args)
+    gamma = args.num_speculative_tokens
+    if gamma is None:
+        gamma = 4 if ("--quantize" in drafter_args or "--model" in drafter_args) else 8
+    print("starting drafter and verifier (the first run converts the embedded model once)...", flush=True)
+    services = []
+    try:
+        services.append(start_service("drafter", drafter_args))
+        services.append(start_service("verifier", shlex.split(args.verifier_args)))
+        drafter, verifier = (s.address for s in services)
+        print(f"drafter at {drafter}, verifier at {verifier}", flush=True)
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+        with SpeculativeClient(verifier, drafter=drafter, num_speculative_tokens=gamma) as client:
+            print(f"drafter: {client.drafter_info.model}  verifier: {client.verifier_info.model}  gamma={gamma}\n")
+            client.generate(prompts[0], params.replace(max_tokens=4), chat=True)  # warm-up both sides
+            totals = {"spec": [0, 0.0], "target": [0, 0.0]}
+            proposed = accepted = 0
+            for prompt in prompts:
+                base = client.generate(prompt, params, chat=True, target_only=True)
+                spec = client.generate(prompt, params, chat=True)
+                totals["target"][0] += len(base.token_ids)
+                totals["target"][1] += base.elapsed_s
+                totals["spec"][0] += len(spec.token_ids)
+                totals["spec"][1] += spec.elapsed_s
+                proposed += spec.num_draft_tokens
+                accepted += spec.num_accepted_tokens
+                same = "identical to target-only" if spec.token_ids == base.token_ids else "differs from target-only"
+                print(f"> {prompt}\n{spec.text.strip()}\n"
+                      f"  [{len(spec.token_ids)} tokens, acceptance {spec.acceptance_rate:.3f}, "
+                      f"{spec.tokens_per_s:.1f} tok/s speculative vs {base.tokens_per_s:.1f} tok/s target-only, "
+                      f"{same}]\n", flush=True)
+            spec_tps = totals["spec"][0] / totals["spec"][1]
+            base_tps = totals["target"][0] / totals["target"][1]
+            print(f"overall: acceptance {accepted / max(proposed, 1):.3f}; speculative {spec_tps:.1f} tok/s, "
+                  f"target-only {base_tps:.1f} tok/s, speedup {spec_tps / base_tps:.2f}x")
+    finally:
+        for s in reversed(services):
+            s.stop()
+    return 0

@@ -1,0 +1,83 @@
+"""Start drafter / verifier services as local processes on free loopback ports.
+
+Used by `specdec demo`, the benchmarks and the integration tests: the same topology as
+docker-compose, as plain processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServiceProcess:
+    role: str
+    proc: subprocess.Popen
+    address: str
+    output: list[str] = field(default_factory=list)  # lines the process printed, for diagnosis
+
+    def stop(self, grace_s: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL after grace_s; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_service(role: str, args: list[str] | None = None, *, host: str = "127.0.0.1", port: int = 0,
+                  threads: int | None = None, timeout_s: float = 600.0) -> ServiceProcess:
+    """Run `specdec <role> ...` and wait until it prints the address it bound."""
+    if role not in ("drafter", "verifier"):
+        raise ValueError(f"role must be drafter or verifier, got {role!r}")
+    cmd = [sys.executable, "-m", "specdec.cli", role, "--host", host, "--port", str(port), *(args or [])]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    env = dict(os.environ)
+    # Idle OpenMP workers sleep instead of spinning, so the other service gets the cores
+    # as soon as this one finishes its step.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    service = ServiceProcess(role=role, proc=proc, address="")
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            service.output.append(line.rstrip())
+            if len(service.output) > 2000:
+                del service.output[:1000]
+            marker = f"{role} listening on "
+            if not service.address and marker in line:
+                service.address = line.split(marker, 1)[1].split()[0]
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, name=f"{role}-output", daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not ready.wait(0.2):
+        if time.monotonic() > deadline:
+            service.kill()
+            raise TimeoutError(f"{role} did not start within {timeout_s:g} s: " + "\n".join(service.output[-20:]))
+    if not service.address:
+        service.kill()
+        raise RuntimeError(f"{role} exited with {proc.poll()} before serving:\n" + "\n".join(service.output[-40:]))
+    log.info("%s pid=%d at %s", role, proc.pid, service.address)
+    return service

@@ -1,0 +1,52 @@
+"""gRPC adapter of the drafter: validate, call the engine, map the result."""
+
+from __future__ import annotations
+
+from drafter_service.engine import DrafterEngine
+from specdec_rpc import specdec_pb2 as pb
+from specdec_rpc import specdec_pb2_grpc as pb_grpc
+from specdec_rpc.adapters import (
+    model_info_to_pb,
+    proposal_format_from_pb,
+    proposal_to_pb,
+    rpc_method,
+    sampling_from_pb,
+    serve,
+)
+
+
+class DrafterServicer(pb_grpc.DrafterServicer):
+    def __init__(self, engine: DrafterEngine) -> None:
+        self.engine = engine
+
+    @rpc_method
+    def GetModelInfo(self, request, context):
+        return model_info_to_pb(self.engine.info)
+
+    @rpc_method
+    def OpenSession(self, request, context):
+        return pb.OpenSessionResponse(session_id=self.engine.open_session())
+
+    @rpc_method
+    def CloseSession(self, request, context):
+        self.engine.close_session(request.session_id)
+        return pb.CloseSessionResponse()
+
+    @rpc_method
+    def Draft(self, request, context):
+        params = sampling_from_pb(request.sampling)
+        out = self.engine.draft(
+            request.session_id,
+            request.truncate_to,
+            list(request.append_token_ids),
+            request.num_draft_tokens,
+            params,
+            proposal_format_from_pb(request.proposal_format, params.greedy),
+        )
+        return pb.DraftResponse(
+            draft_token_ids=out.draft_token_ids, proposal=proposal_to_pb(out.proposal), kv_length=out.kv_length
+        )
+
+
+def start(engine: DrafterEngine, host: str = "127.0.0.1", port: int = 0, **kwargs):
+    return serve(engine, lambda s: pb_grpc.add_DrafterServicer_to_server(DrafterServicer(engine), s), host, port, **kwargs)

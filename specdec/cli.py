@@ -1,0 +1,200 @@
+"""`specdec drafter|verifier|generate|demo`: parse arguments, then call a module.
+
+Service and client modules are imported inside the command functions, so that the
+core package itself never imports grpc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from specdec.errors import SpecDecError
+
+DEFAULT_PORTS = {"drafter": 50051, "verifier": 50052}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, naming the argument, exit 2
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {value}")
+        return value
+
+    return parse
+
+
+def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument("--model", default="embedded",
+                   help="HF model id (from the local HF cache), local directory, or 'embedded' (SmolLM2-135M-Instruct)")
+    p.add_argument("--gguf-file", default=None, help="GGUF file inside --model's directory")
+    p.add_argument("--dtype", default="float16" if role == "drafter" else "float32",
+                   choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--quantize", default=None, choices=["int8"],
+                   help="dynamic int8 quantization of the decoder layers (CPU; a low-acceptance drafter)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=_positive_int("--port"), default=DEFAULT_PORTS[role], help="0 picks a free port")
+    p.add_argument("--threads", type=_positive_int("--threads"), default=0,
+                   help="torch intra-op threads (0 = all cores; the services alternate, so each may use all)")
+    p.add_argument("--max-draft-tokens", type=_positive_int("--max-draft-tokens"), default=16,
+                   help="largest gamma a request may ask for (bounds memory per request)")
+    p.add_argument("--max-sessions", type=_positive_int("--max-sessions"), default=256)
+    p.add_argument("--session-ttl-s", type=float, default=600.0, help="idle sessions are closed after this")
+    p.add_argument("--grace-s", type=float, default=5.0, help="on SIGTERM, wait this long for in-flight calls")
+    p.add_argument("--log-level", default="INFO")
+
+
+def _serve(args: argparse.Namespace, role: str) -> int:
+    import torch
+
+    from specdec.models import ModelSpec
+    from specdec.serving import EngineConfig
+    from specdec_rpc.adapters import run_until_signal
+
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    spec = ModelSpec(model=args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device,
+                     quantize=args.quantize)
+    config = EngineConfig(max_draft_tokens=args.max_draft_tokens, max_sessions=args.max_sessions,
+                          session_ttl_s=args.session_ttl_s)
+    if role == "drafter":
+        from drafter_service.engine import DrafterEngine
+        from drafter_service.server import start
+
+        engine = DrafterEngine(spec, config)
+    else:
+        from verifier_service.engine import VerifierEngine
+        from verifier_service.server import start
+
+        engine = VerifierEngine(spec, config)
+    server, _ = start(engine, args.host, args.port)
+    run_until_signal(server, args.grace_s)
+    return 0
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="gamma, drafts per round")
+
+
+def _params(args: argparse.Namespace):
+    from specdec.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+                          ignore_eos=args.ignore_eos)
+
+
+def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from client.speculative import SpeculativeClient
+
+    if not args.target_only and not args.drafter:
+        parser.error("argument --drafter: required unless --target-only")
+    if args.num_speculative_tokens < 0:
+        parser.error("argument --num-speculative-tokens: must be >= 0")
+    try:
+        params = _params(args)
+    except SpecDecError as exc:
+        field = str(exc).split(":")[0].replace("_", "-")
+        parser.error(f"argument --{field}: {exc}")
+    import grpc
+
+    try:
+        return _run_generate(args, params)
+    except grpc.RpcError as exc:
+        print(f"specdec generate: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+
+
+def _run_generate(args: argparse.Namespace, params) -> int:
+    from client.speculative import SpeculativeClient
+
+    with SpeculativeClient(args.verifier, drafter=None if args.target_only else args.drafter,
+                           timeout_s=args.timeout_s) as client:
+        if args.json:
+            result = client.generate(args.prompt, params, num_speculative_tokens=args.num_speculative_tokens,
+                                     target_only=args.target_only, chat=args.chat)
+            print(json.dumps(result.to_dict()))
+            return 0
+        result = None
+        for chunk in client.stream(args.prompt, params, num_speculative_tokens=args.num_speculative_tokens,
+                                   target_only=args.target_only, chat=args.chat):
+            print(chunk.text, end="", flush=True)
+            result = chunk.result
+        assert result is not None
+        print(f"\n[{len(result.token_ids)} tokens in {result.elapsed_s:.2f} s = {result.tokens_per_s:.1f} tok/s; "
+              f"rounds {result.num_rounds}; acceptance {result.acceptance_rate:.3f}; finish {result.finish_reason}]",
+              file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specdec", description="Distributed speculative decoding over gRPC")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for role in ("drafter", "verifier"):
+        p = sub.add_parser(role, help=f"serve the {role} until SIGINT / SIGTERM")
+        _add_model_args(p, role)
+
+    g = sub.add_parser("generate", help="generate text through a drafter and a verifier")
+    g.add_argument("--drafter", help="HOST:PORT (optional with --target-only; then never contacted)")
+    g.add_argument("--verifier", required=True, help="HOST:PORT")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--target-only", action="store_true", help="verifier alone (zero drafts): the baseline")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--timeout-s", type=float, default=60.0, help="deadline of every call")
+    _sampling_args(g)
+
+    d = sub.add_parser("demo", help="start both services locally, compare speculative and target-only")
+    d.add_argument("--prompt", action="append", default=None, help="prompt (repeatable); default: built-in set")
+    d.add_argument("--max-tokens", type=int, default=96)
+    d.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="gamma (default: 4; 8 for the embedded float16 drafter, whose acceptance is ~1)")
+    d.add_argument("--drafter-args", default="", help="extra arguments for `specdec drafter`, e.g. '--quantize int8'")
+    d.add_argument("--verifier-args", default="", help="extra arguments for `specdec verifier`")
+    d.add_argument("--temperature", type=float, default=0.0)
+    d.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command in ("drafter", "verifier"):
+            return _serve(args, args.command)
+        if args.command == "generate":
+            return _generate(args, parser)
+        if args.command == "demo":
+            from client.demo import run_demo
+
+            return run_demo(args)
+    except KeyboardInterrupt:
+        return 130
+    except (SpecDecError, ValueError) as exc:
+        print(f"specdec {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

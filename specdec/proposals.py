@@ -1,0 +1,141 @@
+"""Wire forms of a draft (proposal) distribution and how the drafter samples from them.
+
+Rejection sampling is exact for whatever q a draft token was actually sampled from, so
+the drafter first turns its processed distribution into the form it will send, then
+samples from exactly that form:
+
+  dense    q as float32 / float16 / bfloat16 [K, V]; the drafter samples from the rounded values.
+  sparse   q truncated to its top N tokens and renormalized: ids + probs [K, N].
+  ids      q is one-hot: the drafter proposes its argmax (greedy drafts, n-gram proposals).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specdec.errors import InvalidArgument
+
+DENSE, SPARSE, IDS_ONLY = "dense", "sparse", "ids"
+_WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ProposalFormat:
+    kind: str = DENSE
+    dtype: str = "float32"
+    top_n: int = 64
+
+    def __post_init__(self) -> None:
+        if self.kind not in (DENSE, SPARSE, IDS_ONLY):
+            raise InvalidArgument("proposal_format.kind", f"must be dense, sparse or ids, got {self.kind!r}")
+        if self.dtype not in _WIRE_DTYPES:
+            raise InvalidArgument("proposal_format.dtype", f"must be one of {', '.join(_WIRE_DTYPES)}, got {self.dtype!r}")
+        if self.kind == SPARSE and self.top_n < 1:
+            raise InvalidArgument("proposal_format.top_n", f"must be >= 1, got {self.top_n}")
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A proposal in wire form. probs / token_ids are row-major little-endian bytes."""
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]  # dense: (K, V); sparse: (K, N); ids: (K,)
+    probs: bytes = b""
+    token_ids: bytes = b""  # sparse only, int32
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.probs) + len(self.token_ids)
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the raw 16-bit patterns
+        t = t.view(torch.int16)
+    arr = t.contiguous().cpu().numpy()
+    return arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+
+
+def _from_bytes(data: bytes, dtype: str, shape: tuple[int, ...], field: str) -> torch.Tensor:
+    torch_dtype = _WIRE_DTYPES.get(dtype, torch.int32 if dtype == "int32" else None)
+    if torch_dtype is None:
+        raise InvalidArgument(f"{field}.dtype", f"unsupported dtype {dtype!r}")
+    elem = torch.finfo(torch_dtype).bits // 8 if torch_dtype.is_floating_point else 4
+    count = int(np.prod(shape)) if shape else 0
+    if len(data) != count * elem:
+        raise InvalidArgument(field, f"has {len(data)} bytes, expected {count * elem} for shape {list(shape)} of {dtype}")
+    np_dtype = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<i2", torch.int32: "<i4"}[torch_dtype]
+    arr = torch.from_numpy(np.frombuffer(data, dtype=np_dtype).copy()).reshape(shape)
+    return arr.view(torch.bfloat16) if torch_dtype == torch.bfloat16 else arr
+
+
+class ProposalBuilder:
+    """Turns the drafter's processed distribution at each position into (token, wire row).
+
+    Usage per draft position: `token = builder.sample(probs, exp_noise)`, then `builder.build()`.
+    """
+
+    def __init__(self, fmt: ProposalFormat, vocab_size: int) -> None:
+        self.fmt = fmt
+        self.vocab_size = vocab_size
+        self._rows: list[torch.Tensor] = []
+        self._ids: list[torch.Tensor] = []
+        self._tokens: list[int] = []
+
+    def sample(self, probs: torch.Tensor | None, exp_noise: torch.Tensor | None, argmax: int) -> int:
+        """probs: [V] processed q (None for greedy); exp_noise: [V] Exp(1); argmax: the logits' argmax."""
+        if self.fmt.kind == IDS_ONLY or probs is None:
+            token = argmax  # a deterministic proposal is exactly a one-hot q
+        elif self.fmt.kind == DENSE:
+            row = probs.to(_WIRE_DTYPES[self.fmt.dtype])
+            token = int(torch.argmax(row.float() / exp_noise))
+            self._rows.append(row)
+        else:
+            n = min(self.fmt.top_n, probs.shape[-1])
+            top_probs, top_ids = torch.topk(probs, n)
+            row = (top_probs / top_probs.sum()).to(_WIRE_DTYPES[self.fmt.dtype])
+            token = int(top_ids[torch.argmax(row.float() / exp_noise[top_ids])])
+            self._rows.append(row)
+            self._ids.append(top_ids.to(torch.int32))
+        self._tokens.append(token)
+        return token
+
+    def build(self) -> Proposal:
+        k = len(self._tokens)
+        if not self._rows:
+            return Proposal(kind=IDS_ONLY, dtype=self.fmt.dtype, shape=(k,))
+        probs = torch.stack(self._rows)
+        if self.fmt.kind == DENSE:
+            return Proposal(kind=DENSE, dtype=self.fmt.dtype, shape=tuple(probs.shape), probs=_to_bytes(probs))
+        ids = torch.stack(self._ids)
+        return Proposal(
+            kind=SPARSE, dtype=self.fmt.dtype, shape=tuple(probs.shape), probs=_to_bytes(probs), token_ids=_to_bytes(ids)
+        )
+
+
+def decode_proposal(proposal: Proposal, num_draft: int, vocab_size: int) -> torch.Tensor | None:
+    """Dense q [num_draft, V] float32 (rows not necessarily normalized), or None for one-hot."""
+    if proposal.kind == IDS_ONLY:
+        return None
+    if len(proposal.shape) != 2 or proposal.shape[0] != num_draft:
+        raise InvalidArgument("proposal.shape", f"must be [{num_draft}, ...] for {num_draft} draft tokens, got {list(proposal.shape)}")
+    probs = _from_bytes(proposal.probs, proposal.dtype, proposal.shape, "proposal.probs").float()
+    if proposal.kind == DENSE:
+        if proposal.shape[1] != vocab_size:
+            raise InvalidArgument("proposal.shape", f"dense proposals are [{num_draft}, {vocab_size}], got {list(proposal.shape)}")
+        q = probs
+    elif proposal.kind == SPARSE:
+        ids = _from_bytes(proposal.token_ids, "int32", proposal.shape, "proposal.token_ids").long()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            raise InvalidArgument("proposal.token_ids", f"ids must be in [0, {vocab_size})")
+        q = torch.zeros(num_draft, vocab_size).scatter_add_(1, ids, probs)
+    else:
+        raise InvalidArgument("proposal.kind", f"unknown kind {proposal.kind!r}")
+    if not bool(torch.isfinite(q).all()) or bool((q < 0).any()):
+        raise InvalidArgument("proposal.probs", "probabilities must be finite and >= 0")
+    if bool((q.sum(dim=1) <= 0).any()):
+        raise InvalidArgument("proposal.probs", "every row needs positive mass")
+    return q

@@ -1,0 +1,101 @@
+"""What the drafter and verifier engines share: the model, its sessions, request checks.
+
+The engines themselves live in drafter_service/engine.py and verifier_service/engine.py;
+neither imports grpc.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from specdec.errors import InvalidArgument, OutOfRange
+from specdec.models import CausalLM, ModelSpec, tokenizer_source
+from specdec.sampling import SamplingParams
+from specdec.sessions import SessionStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    role: str
+    model: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_context: int
+    tokenizer_fingerprint: str
+    tokenizer_source: str
+    dtype: str
+    device: str
+    max_draft_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_draft_tokens: int = 16
+    max_sessions: int = 256
+    session_ttl_s: float = 600.0
+
+
+class ServingModel:
+    """A model, its session store, and one lock that serializes forwards (no batching yet)."""
+
+    role = "model"
+
+    def __init__(self, spec: ModelSpec, config: EngineConfig = EngineConfig(), lm: CausalLM | None = None) -> None:
+        self.spec = spec
+        self.config = config
+        self.lm = lm or CausalLM(spec)
+        self.sessions = SessionStore(
+            self.lm.new_cache, self.lm.crop, max_sessions=config.max_sessions, ttl_s=config.session_ttl_s
+        )
+        self._forward_lock = threading.Lock()
+        self.info = ModelInfo(
+            role=self.role,
+            model=spec.display_name,
+            vocab_size=self.lm.vocab_size,
+            eos_token_ids=tuple(self.lm.eos_token_ids),
+            max_context=self.lm.max_context,
+            tokenizer_fingerprint=self.lm.tokenizer_fingerprint,
+            tokenizer_source=tokenizer_source(spec),
+            dtype=spec.dtype + (f"+{spec.quantize}" if spec.quantize else ""),
+            device=spec.device,
+            max_draft_tokens=config.max_draft_tokens,
+        )
+
+    def open_session(self) -> str:
+        return self.sessions.open().session_id
+
+    def close_session(self, session_id: str) -> None:
+        self.sessions.close(session_id)
+
+    def check_request(
+        self, truncate_to: int, append_token_ids: list[int], num_draft: int, params: SamplingParams,
+        draft_field: str = "num_draft_tokens",
+    ) -> None:
+        """Checks that need no session: ids, gamma, lengths."""
+        params.validate()
+        if not append_token_ids:
+            raise InvalidArgument(
+                "append_token_ids",
+                "must hold at least the last committed token (its logits start the next position)",
+            )
+        vocab = self.lm.vocab_size
+        bad = [t for t in append_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgument("append_token_ids", f"token id {bad[0]} is outside [0, {vocab})")
+        if not 0 <= num_draft <= self.config.max_draft_tokens:
+            raise InvalidArgument(draft_field, f"must be in [0, {self.config.max_draft_tokens}], got {num_draft}")
+        if truncate_to < 0:
+            raise InvalidArgument("truncate_to", f"must be >= 0, got {truncate_to}")
+        end = truncate_to + len(append_token_ids) + num_draft
+        if end > self.lm.max_context:
+            raise OutOfRange(
+                f"truncate_to + len(append_token_ids) + drafts = {end} exceeds the maximum context {self.lm.max_context}"
+            )
+
+    def forward(self, token_ids: list[int], cache, logits_to_keep: int):
+        with self._forward_lock:
+            return self.lm.forward(token_ids, cache, logits_to_keep)

@@ -1,0 +1,1 @@
+"""Verifier service: the verify engine (engine.py) and its gRPC adapter (server.py)."""

@@ -1,0 +1,44 @@
+"""gRPC adapter of the verifier: validate, call the engine, map the result."""
+
+from __future__ import annotations
+
+from specdec_rpc import specdec_pb2 as pb
+from specdec_rpc import specdec_pb2_grpc as pb_grpc
+from specdec_rpc.adapters import model_info_to_pb, proposal_from_pb, rpc_method, sampling_from_pb, serve
+from verifier_service.engine import VerifierEngine
+
+
+class VerifierServicer(pb_grpc.VerifierServicer):
+    def __init__(self, engine: VerifierEngine) -> None:
+        self.engine = engine
+
+    @rpc_method
+    def GetModelInfo(self, request, context):
+        return model_info_to_pb(self.engine.info)
+
+    @rpc_method
+    def OpenSession(self, request, context):
+        return pb.OpenSessionResponse(session_id=self.engine.open_session())
+
+    @rpc_method
+    def CloseSession(self, request, context):
+        self.engine.close_session(request.session_id)
+        return pb.CloseSessionResponse()
+
+    @rpc_method
+    def Verify(self, request, context):
+        out = self.engine.verify(
+            request.session_id,
+            request.truncate_to,
+            list(request.append_token_ids),
+            list(request.draft_token_ids),
+            proposal_from_pb(request.proposal, request.HasField("proposal")),
+            sampling_from_pb(request.sampling),
+        )
+        return pb.VerifyResponse(
+            output_token_ids=out.output_token_ids, num_accepted=out.num_accepted, kv_length=out.kv_length
+        )
+
+
+def start(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0, **kwargs):
+    return serve(engine, lambda s: pb_grpc.add_VerifierServicer_to_server(VerifierServicer(engine), s), host, port, **kwargs)
