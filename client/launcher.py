@@ -52,7 +52,8 @@ def start_service(role: str, args: list[str] | None = None, *, host: str = "127.
     env = dict(os.environ)
     # Idle OpenMP workers sleep instead of spinning, so the other service gets the cores
     # as soon as this one finishes its step.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if os.environ.get("SPECDEC_OMP_PASSIVE"):
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     env.setdefault("PYTHONUNBUFFERED", "1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     service = ServiceProcess(role=role, proc=proc, address="")

@@ -34,15 +34,26 @@ class DrafterEngine(ServingModel):
         fmt: ProposalFormat = ProposalFormat(),
     ) -> DraftOut:
         self.check_request(truncate_to, append_token_ids, num_draft_tokens, params)
+        return self.run(self._draft, session_id, truncate_to, append_token_ids, num_draft_tokens, params, fmt)
+
+    def _draft(
+        self,
+        session_id: str,
+        truncate_to: int,
+        append_token_ids: list[int],
+        num_draft_tokens: int,
+        params: SamplingParams,
+        fmt: ProposalFormat,
+    ) -> DraftOut:
         with self.sessions.use(session_id, truncate_to) as session:
             seed = params.seed if params.seed is not None else session.seed
             first_pos = truncate_to + len(append_token_ids)  # absolute position of the first draft token
             builder = ProposalBuilder(fmt, self.lm.vocab_size)
-            logits = self.forward(append_token_ids, session.cache, logits_to_keep=1)  # [1, V]
+            logits = self.lm.forward(append_token_ids, session.cache, logits_to_keep=1)  # [1, V]
             drafts: list[int] = []
             for j in range(num_draft_tokens):
                 if j > 0:
-                    logits = self.forward([drafts[-1]], session.cache, logits_to_keep=1)
+                    logits = self.lm.forward([drafts[-1]], session.cache, logits_to_keep=1)
                 row = logits[-1]  # [V]
                 argmax = int(torch.argmax(row))
                 if params.greedy:

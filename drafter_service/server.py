@@ -11,6 +11,7 @@ from specdec_rpc.adapters import (
     proposal_to_pb,
     rpc_method,
     sampling_from_pb,
+    run_until_signal,
     serve,
 )
 
@@ -50,3 +51,10 @@ class DrafterServicer(pb_grpc.DrafterServicer):
 
 def start(engine: DrafterEngine, host: str = "127.0.0.1", port: int = 0, **kwargs):
     return serve(engine, lambda s: pb_grpc.add_DrafterServicer_to_server(DrafterServicer(engine), s), host, port, **kwargs)
+
+
+def run(engine: DrafterEngine, host: str, port: int, grace_s: float = 5.0) -> None:
+    """Serve until SIGINT / SIGTERM (prints the bound address first)."""
+    server, _ = start(engine, host, port)
+    run_until_signal(server, grace_s)
+    engine.shutdown()

@@ -61,7 +61,6 @@ def _serve(args: argparse.Namespace, role: str) -> int:
 
     from specdec.models import ModelSpec
     from specdec.serving import EngineConfig
-    from specdec_rpc.adapters import run_until_signal
 
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
@@ -71,16 +70,15 @@ def _serve(args: argparse.Namespace, role: str) -> int:
                           session_ttl_s=args.session_ttl_s)
     if role == "drafter":
         from drafter_service.engine import DrafterEngine
-        from drafter_service.server import start
+        from drafter_service.server import run
 
         engine = DrafterEngine(spec, config)
     else:
         from verifier_service.engine import VerifierEngine
-        from verifier_service.server import start
+        from verifier_service.server import run
 
         engine = VerifierEngine(spec, config)
-    server, _ = start(engine, args.host, args.port)
-    run_until_signal(server, args.grace_s)
+    run(engine, args.host, args.port, grace_s=args.grace_s)
     return 0
 
 
@@ -116,35 +114,9 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except SpecDecError as exc:
         field = str(exc).split(":")[0].replace("_", "-")
         parser.error(f"argument --{field}: {exc}")
-    import grpc
+    from client.commands import generate_command
 
-    try:
-        return _run_generate(args, params)
-    except grpc.RpcError as exc:
-        print(f"specdec generate: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
-
-
-def _run_generate(args: argparse.Namespace, params) -> int:
-    from client.speculative import SpeculativeClient
-
-    with SpeculativeClient(args.verifier, drafter=None if args.target_only else args.drafter,
-                           timeout_s=args.timeout_s) as client:
-        if args.json:
-            result = client.generate(args.prompt, params, num_speculative_tokens=args.num_speculative_tokens,
-                                     target_only=args.target_only, chat=args.chat)
-            print(json.dumps(result.to_dict()))
-            return 0
-        result = None
-        for chunk in client.stream(args.prompt, params, num_speculative_tokens=args.num_speculative_tokens,
-                                   target_only=args.target_only, chat=args.chat):
-            print(chunk.text, end="", flush=True)
-            result = chunk.result
-        assert result is not None
-        print(f"\n[{len(result.token_ids)} tokens in {result.elapsed_s:.2f} s = {result.tokens_per_s:.1f} tok/s; "
-              f"rounds {result.num_rounds}; acceptance {result.acceptance_rate:.3f}; finish {result.finish_reason}]",
-              file=sys.stderr)
-    return 0
+    return generate_command(args, params)
 
 
 def build_parser() -> argparse.ArgumentParser:

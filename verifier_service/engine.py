@@ -48,11 +48,23 @@ class VerifierEngine(ServingModel):
             q = decode_proposal(proposal, k, vocab)  # validated before touching the session
             if proposal.kind == IDS_ONLY and proposal.shape != (k,):
                 raise InvalidArgument("proposal.shape", f"ids-only proposals are [{k}], got {list(proposal.shape)}")
+        return self.run(self._verify, session_id, truncate_to, append_token_ids, draft_token_ids, q, params)
 
+    def _verify(
+        self,
+        session_id: str,
+        truncate_to: int,
+        append_token_ids: list[int],
+        draft_token_ids: list[int],
+        q: torch.Tensor | None,  # [K, V] proposal, None for greedy or one-hot
+        params: SamplingParams,
+    ) -> VerifyOut:
+        k = len(draft_token_ids)
+        vocab = self.lm.vocab_size
         with self.sessions.use(session_id, truncate_to) as session:
             seed = params.seed if params.seed is not None else session.seed
             first_pos = truncate_to + len(append_token_ids)  # absolute position of the first draft / new token
-            logits = self.forward(append_token_ids + draft_token_ids, session.cache, logits_to_keep=k + 1)  # [K+1, V]
+            logits = self.lm.forward(append_token_ids + draft_token_ids, session.cache, logits_to_keep=k + 1)  # [K+1, V]
             drafts = torch.tensor([draft_token_ids], dtype=torch.long).reshape(1, k)  # [1, K]
             num_draft = torch.tensor([k])
             if params.greedy:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
-from specdec_rpc.adapters import model_info_to_pb, proposal_from_pb, rpc_method, sampling_from_pb, serve
+from specdec_rpc.adapters import model_info_to_pb, proposal_from_pb, rpc_method, run_until_signal, sampling_from_pb, serve
 from verifier_service.engine import VerifierEngine
 
 
@@ -42,3 +42,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
 def start(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0, **kwargs):
     return serve(engine, lambda s: pb_grpc.add_VerifierServicer_to_server(VerifierServicer(engine), s), host, port, **kwargs)
+
+
+def run(engine: VerifierEngine, host: str, port: int, grace_s: float = 5.0) -> None:
+    """Serve until SIGINT / SIGTERM (prints the bound address first)."""
+    server, _ = start(engine, host, port)
+    run_until_signal(server, grace_s)
+    engine.shutdown()

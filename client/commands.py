@@ -1,0 +1,41 @@
+"""Client-side command bodies behind `specdec generate` (the CLI parses, this runs)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import grpc
+
+
+def generate_command(args: argparse.Namespace, params) -> int:
+    try:
+        return _run_generate(args, params)
+    except grpc.RpcError as exc:
+        print(f"specdec generate: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+
+
+def _run_generate(args: argparse.Namespace, params) -> int:
+    from client.speculative import SpeculativeClient
+
+    with SpeculativeClient(args.verifier, drafter=None if args.target_only else args.drafter,
+                           timeout_s=args.timeout_s) as client:
+        if args.json:
+            result = client.generate(args.prompt, params, num_speculative_tokens=args.num_speculative_tokens,
+                                     target_only=args.target_only, chat=args.chat)
+            print(json.dumps(result.to_dict()))
+            return 0
+        result = None
+        for chunk in client.stream(args.prompt, params, num_speculative_tokens=args.num_speculative_tokens,
+                                   target_only=args.target_only, chat=args.chat):
+            print(chunk.text, end="", flush=True)
+            result = chunk.result
+        assert result is not None
+        print(f"\n[{len(result.token_ids)} tokens in {result.elapsed_s:.2f} s = {result.tokens_per_s:.1f} tok/s; "
+              f"rounds {result.num_rounds}; acceptance {result.acceptance_rate:.3f}; finish {result.finish_reason}]",
+              file=sys.stderr)
+    return 0
+
+

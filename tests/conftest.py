@@ -1,0 +1,71 @@
+"""Shared fixtures: real service processes on free loopback ports, the real model in-process."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from client.launcher import start_service
+
+SERVICE_THREADS = 1  # three test services + the test process share 2 cores
+
+
+@pytest.fixture(scope="session")
+def verifier_proc():
+    svc = start_service("verifier", ["--max-draft-tokens", "8", "--log-level", "WARNING"], threads=SERVICE_THREADS)
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture(scope="session")
+def drafter_proc():
+    """The default drafter: the embedded weights in float16 (acceptance ~1)."""
+    svc = start_service("drafter", ["--max-draft-tokens", "8", "--log-level", "WARNING"], threads=SERVICE_THREADS)
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture(scope="session")
+def int8_drafter_proc():
+    """A real low-acceptance drafter (dynamic int8 decoder layers), so rejections happen."""
+    svc = start_service(
+        "drafter", ["--quantize", "int8", "--dtype", "float32", "--max-draft-tokens", "8", "--log-level", "WARNING"],
+        threads=SERVICE_THREADS,
+    )
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture(scope="session")
+def target_lm():
+    from specdec.models import CausalLM, ModelSpec
+
+    return CausalLM(ModelSpec(dtype="float32"))
+
+
+@pytest.fixture(scope="session")
+def int8_lm():
+    from specdec.models import CausalLM, ModelSpec
+
+    return CausalLM(ModelSpec(dtype="float32", quantize="int8"))
+
+
+def chi_square_pvalue(observed: dict, expected_probs: dict, n: int, min_expected: float = 5.0) -> float:
+    """Chi-square goodness of fit over cells with expected count >= min_expected, plus one
+    'other' cell holding the remaining probability mass and observations."""
+    cells = [c for c, p in expected_probs.items() if p * n >= min_expected]
+    obs = [observed.get(c, 0) for c in cells]
+    exp = [expected_probs[c] * n for c in cells]
+    rest_obs = n - sum(obs)
+    rest_exp = n - sum(exp)
+    if rest_exp >= min_expected:
+        obs.append(rest_obs)
+        exp.append(rest_exp)
+    elif rest_obs:  # observations in a cell of ~no mass: fold into the largest cell's test
+        exp[-1] += rest_exp
+        obs[-1] += rest_obs
+    obs_arr, exp_arr = np.asarray(obs, float), np.asarray(exp, float)
+    exp_arr *= obs_arr.sum() / exp_arr.sum()
+    return float(stats.chisquare(obs_arr, exp_arr).pvalue)

@@ -1,0 +1,160 @@
+"""Unit tests of sampling params, logits processing, proposals and the session store."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from specdec.errors import InvalidArgument, OutOfRange, ResourceExhausted, SessionBusy, SessionNotFound
+from specdec.proposals import DENSE, IDS_ONLY, SPARSE, ProposalBuilder, ProposalFormat, decode_proposal
+from specdec.sampling import SamplingParams, logits_to_probs, position_noise
+from specdec.sessions import SessionStore
+from tests.conftest import chi_square_pvalue
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("min_p", 2.0), ("max_tokens", 0)],
+)
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(InvalidArgument) as err:
+        SamplingParams(**{field: value})
+    assert err.value.field == field
+
+
+def test_top_k_keeps_exactly_k_tokens():
+    probs = logits_to_probs(torch.tensor([[1.0, 4.0, 3.0, 2.0, 0.0]]), SamplingParams(top_k=2))
+    assert (probs > 0).nonzero()[:, 1].tolist() == [1, 2]
+    assert torch.allclose(probs.sum(), torch.tensor(1.0))
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = logits_to_probs(logits, SamplingParams(top_p=0.8))
+    assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+
+
+def test_min_p_drops_tokens_below_fraction_of_max():
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]]))
+    probs = logits_to_probs(logits, SamplingParams(min_p=0.4))
+    assert probs[0, 2] == 0 and probs[0, 1] > 0
+
+
+def test_position_noise_depends_only_on_seed_stream_and_position():
+    u1, e1 = position_noise(7, 2, [10, 11], 16)
+    u2, e2 = position_noise(7, 2, [11], 16)
+    u3, _ = position_noise(8, 2, [11], 16)
+    assert torch.equal(u1[1:], u2) and torch.equal(e1[1:], e2)
+    assert not torch.equal(u2, u3)
+
+
+@pytest.mark.parametrize("kind,dtype", [(DENSE, "float32"), (DENSE, "float16"), (DENSE, "bfloat16"),
+                                        (SPARSE, "float32"), (SPARSE, "float16")])
+def test_proposal_round_trip_matches_what_the_drafter_sampled_from(kind, dtype):
+    gen = torch.Generator().manual_seed(0)
+    v = 50
+    probs = torch.softmax(torch.randn(3, v, generator=gen), -1)
+    builder = ProposalBuilder(ProposalFormat(kind=kind, dtype=dtype, top_n=8), v)
+    tokens = [builder.sample(probs[i], torch.empty(v).exponential_(generator=gen), int(probs[i].argmax()))
+              for i in range(3)]
+    q = decode_proposal(builder.build(), 3, v)
+    assert q.shape == (3, v)
+    for i, t in enumerate(tokens):
+        assert q[i, t] > 0  # every draft token has mass under the proposal sent
+    if kind == SPARSE:
+        assert ((q > 0).sum(-1) <= 8).all()
+
+
+def test_sparse_drafts_are_distributed_as_the_sent_proposal():
+    """H0: a sparse-proposal draft token ~ the decoded q. N = 20,000, V = 30, top-N 6."""
+    gen = torch.Generator().manual_seed(3)
+    v, n = 30, 20_000
+    probs = torch.softmax(torch.randn(v, generator=gen) * 2, -1)
+    counts = collections.Counter()
+    builder = ProposalBuilder(ProposalFormat(kind=SPARSE, top_n=6), v)
+    for _ in range(n):
+        counts[builder.sample(probs, torch.empty(v).exponential_(generator=gen), 0)] += 1
+    q = decode_proposal(builder.build(), n, v)[0]
+    q = q / q.sum()
+    assert chi_square_pvalue(counts, {t: float(q[t]) for t in range(v)}, n) > 0.001
+    assert chi_square_pvalue(counts, {t: float(probs[t]) for t in range(v)}, n) < 0.001  # power
+
+
+def test_ids_only_proposal_is_the_argmax():
+    builder = ProposalBuilder(ProposalFormat(kind=IDS_ONLY), 5)
+    assert builder.sample(torch.full((5,), 0.2), torch.ones(5), argmax=3) == 3
+    assert decode_proposal(builder.build(), 1, 5) is None
+
+
+def test_malformed_proposal_bytes_are_invalid_argument():
+    builder = ProposalBuilder(ProposalFormat(kind=DENSE), 4)
+    builder.sample(torch.full((4,), 0.25), torch.ones(4), 0)
+    good = builder.build()
+    bad = type(good)(kind=good.kind, dtype=good.dtype, shape=good.shape, probs=good.probs[:-2])
+    with pytest.raises(InvalidArgument, match="proposal.probs"):
+        decode_proposal(bad, 1, 4)
+    with pytest.raises(InvalidArgument, match="proposal.shape"):
+        decode_proposal(good, 2, 4)
+
+
+class _FakeCache:
+    def __init__(self):
+        self.length = 0
+
+
+def _store(**kw):
+    def crop(cache, n):
+        cache.length = min(cache.length, n)
+    return SessionStore(_FakeCache, crop, **kw)
+
+
+def test_truncate_beyond_length_is_out_of_range_and_session_survives():
+    store = _store()
+    s = store.open()
+    with store.use(s.session_id, 0) as sess:
+        sess.cache.length = sess.length = 5
+    with pytest.raises(OutOfRange):
+        with store.use(s.session_id, 6):
+            pass
+    with store.use(s.session_id, 3) as sess:
+        assert sess.length == 3 and sess.cache.length == 3
+
+
+def test_failed_call_restores_truncated_length():
+    store = _store()
+    s = store.open()
+    with store.use(s.session_id, 0) as sess:
+        sess.cache.length = sess.length = 8
+    with pytest.raises(RuntimeError):
+        with store.use(s.session_id, 4) as sess:
+            sess.cache.length = sess.length = 12
+            raise RuntimeError("forward failed")
+    with store.use(s.session_id, 4) as sess:
+        assert sess.length == 4 and sess.cache.length == 4
+
+
+def test_concurrent_use_of_one_session_is_refused():
+    store = _store()
+    s = store.open()
+    with store.use(s.session_id, 0):
+        with pytest.raises(SessionBusy):
+            with store.use(s.session_id, 0):
+                pass
+
+
+def test_session_cap_ttl_and_unknown_ids():
+    now = [0.0]
+    store = _store(max_sessions=2, ttl_s=10.0, clock=lambda: now[0])
+    a = store.open()
+    store.open()
+    with pytest.raises(ResourceExhausted):
+        store.open()
+    now[0] = 11.0
+    assert store.expire_idle() == 2 and len(store) == 0
+    with pytest.raises(SessionNotFound, match="expired"):
+        with store.use(a.session_id, 0):
+            pass
+    with pytest.raises(SessionNotFound, match="unknown"):
+        store.close("nope")
