@@ -1,0 +1,221 @@
+"""End to end through real drafter / verifier processes on loopback ports."""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+
+import grpc
+import pytest
+import torch
+
+from client.speculative import IncompatibleModels, SpeculativeClient, check_compatible
+from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.serving import ModelInfo
+from specdec_rpc import specdec_pb2 as pb
+from specdec_rpc import specdec_pb2_grpc as pb_grpc
+from tests.conftest import chi_square_pvalue
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,"]
+GREEDY = pb.SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def client(verifier_proc, drafter_proc):
+    with SpeculativeClient(verifier_proc.address, drafter=drafter_proc.address) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def int8_client(verifier_proc, int8_drafter_proc):
+    with SpeculativeClient(verifier_proc.address, drafter=int8_drafter_proc.address) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def verifier_stub(verifier_proc):
+    with grpc.insecure_channel(verifier_proc.address) as ch:
+        yield pb_grpc.VerifierStub(ch)
+
+
+@pytest.fixture(scope="module")
+def drafter_stub(drafter_proc):
+    with grpc.insecure_channel(drafter_proc.address) as ch:
+        yield pb_grpc.DrafterStub(ch)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_speculative_equals_target_only_and_transformers_generate(client, target_lm, prompt):
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    base = client.generate(prompt, params, target_only=True)
+    ids = client.encode_prompt(prompt)
+    with torch.inference_mode():
+        hf = target_lm.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=20)[0, len(ids):].tolist()
+    assert base.token_ids == hf
+    for gamma in (1, 3, 5):
+        spec = client.generate(prompt, params, num_speculative_tokens=gamma)
+        assert spec.token_ids == base.token_ids, f"gamma={gamma}"
+        assert spec.num_draft_tokens > 0 and spec.num_rounds < len(spec.token_ids)
+
+
+def test_streaming_yields_the_same_tokens_round_by_round(client):
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    chunks = list(client.stream(PROMPTS[0], params, num_speculative_tokens=3))
+    result = chunks[-1].result
+    assert [t for c in chunks for t in c.token_ids] == result.token_ids
+    assert "".join(c.text for c in chunks) == result.text
+    assert len(chunks) == result.num_rounds
+
+
+def test_sampled_generation_with_rejections_keeps_kv_in_step(int8_client):
+    """The client checks every reported kv_length against its own bookkeeping and raises
+    on any mismatch; rounds with rejections exercise truncation on both sides."""
+    params = SamplingParams(temperature=1.0, max_tokens=40, seed=5, ignore_eos=True)
+    result = int8_client.generate(PROMPTS[2], params, num_speculative_tokens=4)
+    assert len(result.token_ids) == 40
+    assert 0 < result.num_accepted_tokens < result.num_draft_tokens  # there were rejections
+    again = int8_client.generate(PROMPTS[2], params, num_speculative_tokens=4)
+    assert again.token_ids == result.token_ids  # seeded: reproducible
+
+
+def test_services_hold_exactly_the_requested_kv_length(drafter_stub, verifier_stub):
+    prompt = list(range(1000, 1012))
+    d = drafter_stub.OpenSession(pb.OpenSessionRequest()).session_id
+    v = verifier_stub.OpenSession(pb.OpenSessionRequest()).session_id
+    r = drafter_stub.Draft(pb.DraftRequest(session_id=d, truncate_to=0, append_token_ids=prompt,
+                                           num_draft_tokens=4, sampling=GREEDY))
+    assert r.kv_length == len(prompt) + 3 and len(r.draft_token_ids) == 4
+    # Verify deliberately wrong drafts: greedy rejects at the first, nothing past it stays cached.
+    bad_drafts = [(t + 1) % 49152 for t in r.draft_token_ids]
+    vr = verifier_stub.Verify(pb.VerifyRequest(session_id=v, truncate_to=0, append_token_ids=prompt,
+                                               draft_token_ids=bad_drafts, sampling=GREEDY))
+    assert vr.num_accepted == 0 and vr.kv_length == len(prompt)
+    assert list(vr.output_token_ids) == [r.draft_token_ids[0]]  # the target's own argmax
+    # Drafter truncates back to the committed prefix and drafts after the recovered token.
+    r2 = drafter_stub.Draft(pb.DraftRequest(session_id=d, truncate_to=len(prompt), num_draft_tokens=2,
+                                            append_token_ids=list(vr.output_token_ids), sampling=GREEDY))
+    assert r2.kv_length == len(prompt) + 1 + 1
+    assert list(r2.draft_token_ids) == list(r.draft_token_ids[1:3])
+    # truncate_to beyond the cache: OUT_OF_RANGE, and the session keeps working unchanged.
+    with pytest.raises(grpc.RpcError) as err:
+        verifier_stub.Verify(pb.VerifyRequest(session_id=v, truncate_to=len(prompt) + 5,
+                                              append_token_ids=[1], sampling=GREEDY))
+    assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    ok = verifier_stub.Verify(pb.VerifyRequest(session_id=v, truncate_to=len(prompt),
+                                               append_token_ids=list(vr.output_token_ids),
+                                               draft_token_ids=list(r2.draft_token_ids), sampling=GREEDY))
+    assert ok.num_accepted == 2 and ok.kv_length == len(prompt) + 3
+    for stub, sid in ((drafter_stub, d), (verifier_stub, v)):
+        stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+
+
+def _code_and_details(call):
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value.code(), err.value.details()
+
+
+def test_bad_input_gets_clear_status_codes_and_the_session_survives(drafter_stub, verifier_stub):
+    code, details = _code_and_details(lambda: verifier_stub.Verify(
+        pb.VerifyRequest(session_id="no-such-session", truncate_to=0, append_token_ids=[1], sampling=GREEDY)))
+    assert code == grpc.StatusCode.NOT_FOUND and "unknown session" in details
+    d = drafter_stub.OpenSession(pb.OpenSessionRequest()).session_id
+    v = verifier_stub.OpenSession(pb.OpenSessionRequest()).session_id
+    cases = [
+        ("append_token_ids", dict(append_token_ids=[49152]), None),
+        ("num_draft_tokens", dict(append_token_ids=[1], num_draft_tokens=-1), None),
+        ("num_draft_tokens", dict(append_token_ids=[1], num_draft_tokens=9), None),
+        ("temperature", dict(append_token_ids=[1], num_draft_tokens=1), pb.SamplingParams(temperature=-1)),
+        ("top_p", dict(append_token_ids=[1], num_draft_tokens=1), pb.SamplingParams(top_p=0.0)),
+        ("top_p", dict(append_token_ids=[1], num_draft_tokens=1), pb.SamplingParams(top_p=1.5)),
+        ("top_k", dict(append_token_ids=[1], num_draft_tokens=1), pb.SamplingParams(top_k=-1)),
+        ("append_token_ids", dict(append_token_ids=[]), None),
+    ]
+    for field, fields, sampling in cases:
+        req = pb.DraftRequest(session_id=d, truncate_to=0, sampling=sampling or GREEDY, **fields)
+        code, details = _code_and_details(lambda: drafter_stub.Draft(req))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details, (field, code, details)
+    for field, req in [
+        ("draft_token_ids", pb.VerifyRequest(session_id=v, append_token_ids=[1], draft_token_ids=[10**6],
+                                             sampling=GREEDY)),
+        ("draft_token_ids", pb.VerifyRequest(session_id=v, append_token_ids=[1], draft_token_ids=[1] * 9,
+                                             sampling=GREEDY)),
+        ("proposal", pb.VerifyRequest(session_id=v, append_token_ids=[1], draft_token_ids=[1],
+                                      sampling=pb.SamplingParams(temperature=1.0))),
+        ("proposal.probs", pb.VerifyRequest(session_id=v, append_token_ids=[1], draft_token_ids=[1],
+                                            sampling=pb.SamplingParams(temperature=1.0),
+                                            proposal=pb.Proposal(kind=pb.DENSE, shape=[1, 49152], probs=b"x"))),
+    ]:
+        code, details = _code_and_details(lambda: verifier_stub.Verify(req))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details, (field, code, details)
+    # Nothing was corrupted: both sessions still serve a normal round.
+    r = drafter_stub.Draft(pb.DraftRequest(session_id=d, truncate_to=0, append_token_ids=[1, 2, 3],
+                                           num_draft_tokens=2, sampling=GREEDY))
+    assert r.kv_length == 4
+    vr = verifier_stub.Verify(pb.VerifyRequest(session_id=v, truncate_to=0, append_token_ids=[1, 2, 3],
+                                               draft_token_ids=list(r.draft_token_ids), sampling=GREEDY))
+    assert vr.kv_length == 3 + vr.num_accepted
+    drafter_stub.CloseSession(pb.CloseSessionRequest(session_id=d))
+    verifier_stub.CloseSession(pb.CloseSessionRequest(session_id=v))
+    code, _ = _code_and_details(lambda: drafter_stub.CloseSession(pb.CloseSessionRequest(session_id=d)))
+    assert code == grpc.StatusCode.NOT_FOUND
+
+
+def test_client_refuses_mismatched_vocabularies_and_oversized_requests(client):
+    info = client.verifier_info
+    other = ModelInfo(**{**info.__dict__, "tokenizer_fingerprint": "0" * 64, "model": "other"})
+    with pytest.raises(IncompatibleModels, match="different tokenizers"):
+        check_compatible(other, info)
+    with pytest.raises(IncompatibleModels, match="vocab_size"):
+        check_compatible(ModelInfo(**{**info.__dict__, "vocab_size": 32000}), info)
+    with pytest.raises(ValueError, match="maximum context"):
+        client.generate("hello", SamplingParams(max_tokens=info.max_context))
+
+
+def test_first_token_over_grpc_follows_target_distribution(int8_client, target_lm, int8_lm):
+    """H0: the first token ~ p (temperature 1). 300 end-to-end generations with the int8
+    drafter (gamma = 1), seeds 0..299, chi-square over cells with expected count >= 5."""
+    prompt = "My favourite animal is the"
+    n = 300
+    counts = collections.Counter()
+    for seed in range(n):
+        r = int8_client.generate(prompt, SamplingParams(temperature=1.0, max_tokens=2, seed=seed, ignore_eos=True),
+                                 num_speculative_tokens=1)
+        counts[r.token_ids[0]] += 1
+    ids = torch.tensor([int8_client.encode_prompt(prompt)])
+    with torch.inference_mode():
+        p = logits_to_probs(target_lm.model(ids).logits[:, -1], SamplingParams())[0]
+        q = logits_to_probs(int8_lm.model(ids).logits[:, -1], SamplingParams())[0]
+    assert chi_square_pvalue(counts, {t: float(p[t]) for t in range(p.numel())}, n) > 0.001
+    # Power: had the output followed the drafter's q, the same test at this n would reject it.
+    gen = torch.Generator().manual_seed(0)
+    from_q = collections.Counter(torch.multinomial(q, n, replacement=True, generator=gen).tolist())
+    assert chi_square_pvalue(from_q, {t: float(p[t]) for t in range(p.numel())}, n) < 0.001
+
+
+def _cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_generate_json_speculative_and_target_only(drafter_proc, verifier_proc):
+    common = ["generate", "--verifier", verifier_proc.address, "--prompt", "Name a colour.", "--chat",
+              "--max-tokens", "12", "--json"]
+    spec = _cli(*common, "--drafter", drafter_proc.address)
+    base = _cli(*common, "--target-only")
+    assert spec.returncode == 0 and base.returncode == 0, spec.stderr + base.stderr
+    s, b = json.loads(spec.stdout), json.loads(base.stdout)
+    for key in ("text", "token_ids", "num_rounds", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate",
+                "elapsed_s"):
+        assert key in s and key in b
+    assert s["token_ids"] == b["token_ids"] and b["num_draft_tokens"] == 0 and s["num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("flag,value", [("--temperature", "-1"), ("--top-p", "2"), ("--top-k", "-3"),
+                                        ("--max-tokens", "0")])
+def test_cli_bad_argument_exits_nonzero_naming_it(flag, value):
+    r = _cli("generate", "--verifier", "127.0.0.1:1", "--target-only", "--prompt", "x", flag, value, timeout=60)
+    assert r.returncode != 0
+    assert flag in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
