@@ -6,7 +6,7 @@ from drafter_service.engine import DrafterEngine
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
 from specdec_rpc.adapters import (
-    model_info_to_pb,
+    SessionMethods,
     proposal_format_from_pb,
     proposal_to_pb,
     rpc_method,
@@ -16,22 +16,9 @@ from specdec_rpc.adapters import (
 )
 
 
-class DrafterServicer(pb_grpc.DrafterServicer):
+class DrafterServicer(SessionMethods, pb_grpc.DrafterServicer):
     def __init__(self, engine: DrafterEngine) -> None:
         self.engine = engine
-
-    @rpc_method
-    def GetModelInfo(self, request, context):
-        return model_info_to_pb(self.engine.info)
-
-    @rpc_method
-    def OpenSession(self, request, context):
-        return pb.OpenSessionResponse(session_id=self.engine.open_session())
-
-    @rpc_method
-    def CloseSession(self, request, context):
-        self.engine.close_session(request.session_id)
-        return pb.CloseSessionResponse()
 
     @rpc_method
     def Draft(self, request, context):

@@ -159,6 +159,28 @@ def model_info_from_pb(msg: pb.ModelInfo) -> ModelInfo:
     )
 
 
+# ---- servicer methods both services share ------------------------------------------
+
+
+class SessionMethods:
+    """GetModelInfo / OpenSession / CloseSession over `self.engine` (a ServingModel)."""
+
+    engine: ServingModel
+
+    @rpc_method
+    def GetModelInfo(self, request, context):
+        return model_info_to_pb(self.engine.info)
+
+    @rpc_method
+    def OpenSession(self, request, context):
+        return pb.OpenSessionResponse(session_id=self.engine.open_session())
+
+    @rpc_method
+    def CloseSession(self, request, context):
+        self.engine.close_session(request.session_id)
+        return pb.CloseSessionResponse()
+
+
 # ---- serving ----------------------------------------------------------------------------
 
 

@@ -4,26 +4,13 @@ from __future__ import annotations
 
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
-from specdec_rpc.adapters import model_info_to_pb, proposal_from_pb, rpc_method, run_until_signal, sampling_from_pb, serve
+from specdec_rpc.adapters import SessionMethods, proposal_from_pb, rpc_method, run_until_signal, sampling_from_pb, serve
 from verifier_service.engine import VerifierEngine
 
 
-class VerifierServicer(pb_grpc.VerifierServicer):
+class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
     def __init__(self, engine: VerifierEngine) -> None:
         self.engine = engine
-
-    @rpc_method
-    def GetModelInfo(self, request, context):
-        return model_info_to_pb(self.engine.info)
-
-    @rpc_method
-    def OpenSession(self, request, context):
-        return pb.OpenSessionResponse(session_id=self.engine.open_session())
-
-    @rpc_method
-    def CloseSession(self, request, context):
-        self.engine.close_session(request.session_id)
-        return pb.CloseSessionResponse()
 
     @rpc_method
     def Verify(self, request, context):
