@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import time
 
 from client.launcher import start_service
 from client.speculative import SpeculativeClient

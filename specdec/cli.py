@@ -7,7 +7,6 @@ core package itself never imports grpc.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -103,7 +102,6 @@ def _params(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from client.speculative import SpeculativeClient
 
     if not args.target_only and not args.drafter:
         parser.error("argument --drafter: required unless --target-only")

@@ -20,7 +20,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,14 +189,13 @@ class CausalLM:
     but the services serialize them (one forward at a time per model).
     """
 
-    def __init__(self, spec: ModelSpec, threads: int | None = None) -> None:
+    def __init__(self, spec: ModelSpec) -> None:
         from transformers import AutoModelForCausalLM
 
         self.spec = spec
-        # torch's intra-op thread count is per OS thread: a gRPC worker thread would
-        # otherwise run the forward with OpenMP's default, not what this process chose.
-        self.threads = threads or torch.get_num_threads()
-        self._thread_state = threading.local()
+        # The thread count this process chose; the serving engine thread applies it,
+        # since torch's intra-op thread count is per OS thread.
+        self.threads = torch.get_num_threads()
         path, kwargs = _resolve(spec)
         load_dtype = torch.float32 if spec.quantize else DTYPES[spec.dtype]
         model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype, **kwargs)
@@ -240,9 +238,6 @@ class CausalLM:
     def forward(self, token_ids: list[int], cache, logits_to_keep: int = 0) -> torch.Tensor:
         """Append token_ids to the cache; returns logits [T', V] float32 for the last T'
         positions (all T when logits_to_keep is 0)."""
-        if getattr(self._thread_state, "threads", None) != self.threads:
-            torch.set_num_threads(self.threads)
-            self._thread_state.threads = self.threads
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, T]
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
         return out.logits[0].float()  # [T', V]

@@ -95,10 +95,7 @@ class ServingModel:
                 "append_token_ids",
                 "must hold at least the last committed token (its logits start the next position)",
             )
-        vocab = self.lm.vocab_size
-        bad = [t for t in append_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidArgument("append_token_ids", f"token id {bad[0]} is outside [0, {vocab})")
+        self.check_token_ids(append_token_ids, "append_token_ids")
         if not 0 <= num_draft <= self.config.max_draft_tokens:
             raise InvalidArgument(draft_field, f"must be in [0, {self.config.max_draft_tokens}], got {num_draft}")
         if truncate_to < 0:
@@ -108,6 +105,12 @@ class ServingModel:
             raise OutOfRange(
                 f"truncate_to + len(append_token_ids) + drafts = {end} exceeds the maximum context {self.lm.max_context}"
             )
+
+    def check_token_ids(self, token_ids: list[int], field: str) -> None:
+        vocab = self.lm.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgument(field, f"token id {bad[0]} is outside [0, {vocab})")
 
     def run(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """Run fn on the engine thread and wait for its result (exceptions propagate)."""

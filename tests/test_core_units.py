@@ -110,11 +110,17 @@ def _store(**kw):
     return SessionStore(_FakeCache, crop, **kw)
 
 
-def test_truncate_beyond_length_is_out_of_range_and_session_survives():
-    store = _store()
+def _open_with_length(store, n):
+    """A session whose cache holds n tokens."""
     s = store.open()
     with store.use(s.session_id, 0) as sess:
-        sess.cache.length = sess.length = 5
+        sess.cache.length = sess.length = n
+    return s
+
+
+def test_truncate_beyond_length_is_out_of_range_and_session_survives():
+    store = _store()
+    s = _open_with_length(store, 5)
     with pytest.raises(OutOfRange):
         with store.use(s.session_id, 6):
             pass
@@ -124,9 +130,7 @@ def test_truncate_beyond_length_is_out_of_range_and_session_survives():
 
 def test_failed_call_restores_truncated_length():
     store = _store()
-    s = store.open()
-    with store.use(s.session_id, 0) as sess:
-        sess.cache.length = sess.length = 8
+    s = _open_with_length(store, 8)
     with pytest.raises(RuntimeError):
         with store.use(s.session_id, 4) as sess:
             sess.cache.length = sess.length = 12

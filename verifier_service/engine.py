@@ -37,10 +37,8 @@ class VerifierEngine(ServingModel):
     ) -> VerifyOut:
         k = len(draft_token_ids)
         self.check_request(truncate_to, append_token_ids, k, params, draft_field="draft_token_ids")
+        self.check_token_ids(draft_token_ids, "draft_token_ids")
         vocab = self.lm.vocab_size
-        bad = [t for t in draft_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidArgument("draft_token_ids", f"token id {bad[0]} is outside [0, {vocab})")
         q = None
         if k and not params.greedy:
             if proposal is None:
