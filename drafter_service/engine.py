@@ -63,6 +63,7 @@ class DrafterEngine(ServingModel):
                 _, noise = position_noise(seed, STREAM_DRAFT, [first_pos + j], row.shape[-1])
                 drafts.append(builder.sample(probs, noise[0], argmax))
             session.length = self.lm.cache_length(session.cache)
+            self.stats.add(forwards=max(1, len(drafts)), draft_tokens=len(drafts))
             log.debug("draft session=%s truncate_to=%d appended=%d drafts=%d kv=%d",
                       session_id, truncate_to, len(append_token_ids), len(drafts), session.length)
             return DraftOut(draft_token_ids=drafts, proposal=builder.build(), kv_length=session.length)

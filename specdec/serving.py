@@ -6,7 +6,9 @@ neither imports grpc.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, TypeVar
@@ -34,6 +36,29 @@ class ModelInfo:
     dtype: str
     device: str
     max_draft_tokens: int
+
+
+@dataclass
+class ServingStats:
+    """Counters since start; `snapshot` adds the live gauges. Updated under a lock
+    because gRPC worker threads and the engine thread both record."""
+
+    requests: int = 0
+    failed_requests: int = 0
+    forwards: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, value in counts.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def as_dict(self) -> dict[str, int]:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
 
 
 @dataclass(frozen=True)
@@ -65,6 +90,7 @@ class ServingModel:
             max_workers=1, thread_name_prefix=f"{self.role}-engine",
             initializer=torch.set_num_threads, initargs=(self.lm.threads,),
         )
+        self.stats = ServingStats()
         self.info = ModelInfo(
             role=self.role,
             model=spec.display_name,
@@ -77,6 +103,14 @@ class ServingModel:
             device=spec.device,
             max_draft_tokens=config.max_draft_tokens,
         )
+
+    def snapshot_stats(self) -> dict[str, int]:
+        """Counters plus live sessions and the KV they hold."""
+        out = self.stats.as_dict()
+        out["live_sessions"] = len(self.sessions)
+        out["kv_tokens"] = self.sessions.kv_tokens()
+        out["kv_bytes"] = out["kv_tokens"] * self.lm.kv_bytes_per_token()
+        return out
 
     def open_session(self) -> str:
         return self.sessions.open().session_id
@@ -114,7 +148,13 @@ class ServingModel:
 
     def run(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """Run fn on the engine thread and wait for its result (exceptions propagate)."""
-        return self._engine_thread.submit(fn, *args, **kwargs).result()
+        try:
+            result = self._engine_thread.submit(fn, *args, **kwargs).result()
+        except BaseException:
+            self.stats.add(failed_requests=1)
+            raise
+        self.stats.add(requests=1)
+        return result
 
     def shutdown(self) -> None:
         self._engine_thread.shutdown(wait=True)

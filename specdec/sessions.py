@@ -58,6 +58,10 @@ class SessionStore:
         with self._mutex:
             return len(self._sessions)
 
+    def kv_tokens(self) -> int:
+        with self._mutex:
+            return sum(s.length for s in self._sessions.values())
+
     def open(self) -> Session:
         self.expire_idle()
         with self._mutex:

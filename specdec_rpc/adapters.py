@@ -180,6 +180,10 @@ class SessionMethods:
         self.engine.close_session(request.session_id)
         return pb.CloseSessionResponse()
 
+    @rpc_method
+    def GetStats(self, request, context):
+        return pb.ServerStats(role=self.engine.role, **self.engine.snapshot_stats())
+
 
 # ---- serving ----------------------------------------------------------------------------
 

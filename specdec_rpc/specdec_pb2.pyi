@@ -7,6 +7,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class AcceptanceMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ACCEPTANCE_METHOD_UNSPECIFIED: _ClassVar[AcceptanceMethod]
+    REJECTION_SAMPLER: _ClassVar[AcceptanceMethod]
+    GREEDY: _ClassVar[AcceptanceMethod]
+    TYPICAL_ACCEPTANCE_SAMPLER: _ClassVar[AcceptanceMethod]
+
 class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DTYPE_UNSPECIFIED: _ClassVar[DType]
@@ -20,6 +27,10 @@ class ProposalKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DENSE: _ClassVar[ProposalKind]
     SPARSE_TOP_N: _ClassVar[ProposalKind]
     IDS_ONLY: _ClassVar[ProposalKind]
+ACCEPTANCE_METHOD_UNSPECIFIED: AcceptanceMethod
+REJECTION_SAMPLER: AcceptanceMethod
+GREEDY: AcceptanceMethod
+TYPICAL_ACCEPTANCE_SAMPLER: AcceptanceMethod
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -30,18 +41,38 @@ SPARSE_TOP_N: ProposalKind
 IDS_ONLY: ProposalKind
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "stop_token_ids", "ignore_eos", "logprobs", "acceptance_method", "posterior_threshold", "posterior_alpha")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_METHOD_FIELD_NUMBER: _ClassVar[int]
+    POSTERIOR_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    POSTERIOR_ALPHA_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     min_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    min_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    logprobs: int
+    acceptance_method: AcceptanceMethod
+    posterior_threshold: float
+    posterior_alpha: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., acceptance_method: _Optional[_Union[AcceptanceMethod, str]] = ..., posterior_threshold: _Optional[float] = ..., posterior_alpha: _Optional[float] = ...) -> None: ...
 
 class ProposalFormat(_message.Message):
     __slots__ = ("kind", "dtype", "top_n")
@@ -116,20 +147,22 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "truncate_to", "append_token_ids", "num_draft_tokens", "sampling", "proposal_format")
+    __slots__ = ("session_id", "truncate_to", "append_token_ids", "num_draft_tokens", "sampling", "proposal_format", "prompt_length")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_TO_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     truncate_to: int
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: int
     sampling: SamplingParams
     proposal_format: ProposalFormat
-    def __init__(self, session_id: _Optional[str] = ..., truncate_to: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., proposal_format: _Optional[_Union[ProposalFormat, _Mapping]] = ...) -> None: ...
+    prompt_length: int
+    def __init__(self, session_id: _Optional[str] = ..., truncate_to: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., proposal_format: _Optional[_Union[ProposalFormat, _Mapping]] = ..., prompt_length: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
     __slots__ = ("draft_token_ids", "proposal", "kv_length")
@@ -142,27 +175,71 @@ class DraftResponse(_message.Message):
     def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., kv_length: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "truncate_to", "append_token_ids", "draft_token_ids", "proposal", "sampling")
+    __slots__ = ("session_id", "truncate_to", "append_token_ids", "draft_token_ids", "proposal", "sampling", "prompt_length")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_TO_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     truncate_to: int
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     proposal: Proposal
     sampling: SamplingParams
-    def __init__(self, session_id: _Optional[str] = ..., truncate_to: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    prompt_length: int
+    def __init__(self, session_id: _Optional[str] = ..., truncate_to: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_length: _Optional[int] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("logprob", "rank", "top_token_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    rank: int
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("output_token_ids", "num_accepted", "kv_length")
+    __slots__ = ("output_token_ids", "num_accepted", "kv_length", "logprobs")
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     KV_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_accepted: int
     kv_length: int
-    def __init__(self, output_token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., kv_length: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    def __init__(self, output_token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., kv_length: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerStats(_message.Message):
+    __slots__ = ("role", "requests", "failed_requests", "forwards", "draft_tokens", "accepted_tokens", "emitted_tokens", "live_sessions", "kv_tokens", "kv_bytes")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    requests: int
+    failed_requests: int
+    forwards: int
+    draft_tokens: int
+    accepted_tokens: int
+    emitted_tokens: int
+    live_sessions: int
+    kv_tokens: int
+    kv_bytes: int
+    def __init__(self, role: _Optional[str] = ..., requests: _Optional[int] = ..., failed_requests: _Optional[int] = ..., forwards: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., emitted_tokens: _Optional[int] = ..., live_sessions: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ...) -> None: ...

@@ -54,6 +54,11 @@ class DrafterStub:
                 request_serializer=specdec_dot_v1_dot_specdec__pb2.DraftRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_specdec__pb2.DraftResponse.FromString,
                 _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/specdec.v1.Drafter/GetStats',
+                request_serializer=specdec_dot_v1_dot_specdec__pb2.StatsRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_specdec__pb2.ServerStats.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -83,6 +88,12 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +116,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Draft,
                     request_deserializer=specdec_dot_v1_dot_specdec__pb2.DraftRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_specdec__pb2.DraftResponse.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=specdec_dot_v1_dot_specdec__pb2.StatsRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_specdec__pb2.ServerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +241,33 @@ class Drafter:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.Drafter/GetStats',
+            specdec_dot_v1_dot_specdec__pb2.StatsRequest.SerializeToString,
+            specdec_dot_v1_dot_specdec__pb2.ServerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class VerifierStub:
     """Missing associated documentation comment in .proto file."""
@@ -255,6 +298,11 @@ class VerifierStub:
                 request_serializer=specdec_dot_v1_dot_specdec__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_specdec__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/specdec.v1.Verifier/GetStats',
+                request_serializer=specdec_dot_v1_dot_specdec__pb2.StatsRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_specdec__pb2.ServerStats.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -284,6 +332,12 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -306,6 +360,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=specdec_dot_v1_dot_specdec__pb2.VerifyRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_specdec__pb2.VerifyResponse.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=specdec_dot_v1_dot_specdec__pb2.StatsRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_specdec__pb2.ServerStats.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -416,6 +475,33 @@ class Verifier:
             '/specdec.v1.Verifier/Verify',
             specdec_dot_v1_dot_specdec__pb2.VerifyRequest.SerializeToString,
             specdec_dot_v1_dot_specdec__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.Verifier/GetStats',
+            specdec_dot_v1_dot_specdec__pb2.StatsRequest.SerializeToString,
+            specdec_dot_v1_dot_specdec__pb2.ServerStats.FromString,
             options,
             channel_credentials,
             insecure,

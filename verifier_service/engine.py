@@ -78,6 +78,7 @@ class VerifierEngine(ServingModel):
             # Keep the accepted drafts cached; drop the rejected tail.
             session.length = first_pos + n_acc
             self.lm.crop(session.cache, session.length)
+            self.stats.add(forwards=1, draft_tokens=k, accepted_tokens=n_acc, emitted_tokens=n_acc + 1)
             log.debug("verify session=%s truncate_to=%d appended=%d drafts=%d accepted=%d kv=%d",
                       session_id, truncate_to, len(append_token_ids), k, n_acc, session.length)
             return VerifyOut(output_token_ids=emitted, num_accepted=n_acc, kv_length=session.length)
