@@ -143,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--verifier-args", default="", help="extra arguments for `specdec verifier`")
     d.add_argument("--temperature", type=float, default=0.0)
     d.add_argument("--seed", type=int, default=0)
+
+    from client.bench.cli import add_bench_parser  # lazy: the client side imports grpc, the core does not
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -158,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
             from client.demo import run_demo
 
             return run_demo(args)
+        if args.command == "bench":
+            from client.bench.cli import run_bench
+
+            return run_bench(args)
     except KeyboardInterrupt:
         return 130
     except (SpecDecError, ValueError) as exc:

@@ -1,0 +1,198 @@
+"""`specdec bench serve|sweep|peer`: arguments, then a call into serve / sweep / peer.
+
+Only argparse at module level: `specdec.cli` builds this parser for every command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+
+def _goodput_slo(text: str) -> tuple[str, float]:
+    from client.bench.serve import SLO_METRICS
+
+    name, sep, value = text.partition(":")
+    if not sep or name not in SLO_METRICS:
+        raise argparse.ArgumentTypeError(f"--goodput takes NAME:MS with NAME in {', '.join(SLO_METRICS)}, got {text!r}")
+    try:
+        ms = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--goodput {name}: milliseconds must be a number, got {value!r}") from None
+    if not ms >= 0:
+        raise argparse.ArgumentTypeError(f"--goodput {name}: milliseconds must be >= 0, got {value!r}")
+    return name, ms
+
+
+def _rate(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--request-rate must be a number or inf, got {text!r}") from None
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"--request-rate must be > 0 (inf sends all at once), got {text!r}")
+    return rate
+
+
+def _positive(name: str, kind=int):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a {kind.__name__}, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {text!r}")
+        return value
+
+    return parse
+
+
+def _add_dataset_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: int) -> None:
+    p.add_argument("--dataset", default="specbench",
+                   help="'specbench' (the shipped 126 prompts, 7 categories) or a ShareGPT JSON file")
+    p.add_argument("--num-prompts", type=_positive("--num-prompts"), default=num_prompts)
+    p.add_argument("--max-tokens", type=_positive("--max-tokens"), default=max_tokens)
+    p.add_argument("--seed", type=int, default=0, help="prompt order, arrivals and per-request sampling seeds")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="apply the chat template (default on; multi-turn prompts are sent as chats)")
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", help="HOST:PORT (not needed with --target-only; then never contacted)")
+    p.add_argument("--verifier", required=True, help="HOST:PORT")
+    _add_dataset_args(p, num_prompts=24, max_tokens=64)
+    p.add_argument("--request-rate", type=_rate, default=math.inf,
+                   help="Poisson arrivals per second (default inf: all at once)")
+    p.add_argument("--burstiness", type=_positive("--burstiness", float), default=1.0,
+                   help="Gamma shape of the inter-arrival times (1 = Poisson), as vLLM")
+    p.add_argument("--max-concurrency", type=_positive("--max-concurrency"), default=None,
+                   help="most requests in flight (default: no bound)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    p.add_argument("--num-speculative-tokens", type=_positive("--num-speculative-tokens"), default=4, help="gamma")
+    p.add_argument("--timeout-s", type=float, default=60.0, help="deadline of every call")
+    p.add_argument("--duration-limit-s", type=_positive("--duration-limit-s", float), default=None,
+                   help="hard bound on the run: unsent requests fail, in-flight ones stop after their round")
+    p.add_argument("--goodput", type=_goodput_slo, nargs="+", default=[], metavar="NAME:MS",
+                   help="SLOs in ms, e.g. --goodput ttft:500 tpot:50 e2el:10000")
+    p.add_argument("--warmup-requests", type=int, default=1, help="unmeasured requests before the run")
+    p.add_argument("--result-json", default=None, help="write the result here")
+    p.add_argument("--plot", default=None, help="write a PNG here")
+    p.add_argument("--disable-tqdm", action="store_true")
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    bench = subparsers.add_parser("bench", help="load-test the services (serve, sweep) or compare with HF (peer)")
+    sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=type(bench))
+
+    s = sub.add_parser("serve", help="one vLLM-style serving benchmark run")
+    _add_workload_args(s)
+    s.add_argument("--target-only", action="store_true", help="the baseline: verifier alone, drafter never contacted")
+    s.add_argument("--baseline-json", default=None,
+                   help="--result-json of a --target-only run of the same workload (gives system efficiency)")
+
+    w = sub.add_parser("sweep", help="serve at several concurrencies or rates, speculative and target-only")
+    _add_workload_args(w)
+    w.add_argument("--concurrency", default=None, help="comma-separated max concurrencies, e.g. 1,2,4")
+    w.add_argument("--request-rates", default=None, help="comma-separated request rates, e.g. 1,2,inf")
+    w.add_argument("--latency", default="tpot", choices=["tpot", "e2el"], help="x axis of the plot")
+
+    p = sub.add_parser("peer", help="tokens/s of ours (gRPC) vs transformers' assisted generation")
+    p.add_argument("--drafter", help="HOST:PORT (with --verifier; default: start both services here)")
+    p.add_argument("--verifier", help="HOST:PORT")
+    _add_dataset_args(p, num_prompts=3, max_tokens=64)
+    p.add_argument("--num-speculative-tokens", default="4", help="gamma, or a comma-separated list, e.g. 4,8")
+    p.add_argument("--threads", type=_positive("--threads"), default=2, help="torch threads of the HF runs")
+    p.add_argument("--service-threads", type=_positive("--service-threads"), default=2,
+                   help="torch threads of the services this command starts")
+    p.add_argument("--result-json", default=None)
+    return bench
+
+
+def _workload(args: argparse.Namespace, target_only: bool):
+    from client.bench.serve import WorkloadConfig
+    from specdec.sampling import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    return WorkloadConfig(
+        verifier=args.verifier, drafter=args.drafter, dataset=args.dataset, num_prompts=args.num_prompts,
+        request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+        seed=args.seed, params=params, num_speculative_tokens=args.num_speculative_tokens, chat=args.chat,
+        target_only=target_only, timeout_s=args.timeout_s, duration_limit_s=args.duration_limit_s,
+        goodput_slos_ms=dict(args.goodput), warmup_requests=args.warmup_requests,
+        show_progress=not args.disable_tqdm,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from client.bench import serve
+
+    if not args.target_only and not args.drafter:
+        raise ValueError("--drafter is required unless --target-only")
+    baseline = None
+    if args.baseline_json:
+        if args.target_only:
+            raise ValueError("--baseline-json compares a speculative run with a target-only one; drop --target-only")
+        baseline = serve.load_result(args.baseline_json)
+        if baseline.get("mode") != "target-only":
+            raise ValueError(f"--baseline-json {args.baseline_json} is not a --target-only result")
+    result = serve.run_serve(_workload(args, args.target_only), baseline=baseline)
+    print(serve.format_result(result))
+    if args.result_json:
+        serve.write_json(result, args.result_json)
+    if args.plot:
+        from client.bench.plot import plot_serve
+
+        plot_serve(result, args.plot)
+    return 0 if result["completed"] else 1
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from client.bench import serve
+    from client.bench.sweep import format_sweep, parse_points, run_sweep
+
+    if not args.drafter:
+        raise ValueError("--drafter is required (a sweep runs speculative and target-only)")
+    if (args.concurrency is None) == (args.request_rates is None):
+        raise ValueError("give exactly one of --concurrency and --request-rates")
+    concurrency = parse_points(args.concurrency, "--concurrency", integer=True) if args.concurrency else []
+    rates = parse_points(args.request_rates, "--request-rates", integer=False) if args.request_rates else []
+    result = run_sweep(_workload(args, False), concurrency=concurrency, request_rates=rates)
+    print(format_sweep(result))
+    if args.result_json:
+        serve.write_json(result, args.result_json)
+    if args.plot:
+        from client.bench.plot import plot_sweep
+
+        plot_sweep(result["points"], args.plot, latency=args.latency)
+    return 0 if all(p["speculative"]["completed"] and p["target_only"]["completed"] for p in result["points"]) else 1
+
+
+def _peer(args: argparse.Namespace) -> int:
+    from client.bench import serve
+    from client.bench.peer import format_peer, run_peer
+    from client.bench.sweep import parse_points
+
+    if bool(args.drafter) != bool(args.verifier):
+        raise ValueError("give both --drafter and --verifier, or neither (then both are started here)")
+    gammas = [int(g) for g in parse_points(args.num_speculative_tokens, "--num-speculative-tokens", integer=True)]
+    result = run_peer(dataset=args.dataset, num_prompts=args.num_prompts, max_tokens=args.max_tokens, gammas=gammas,
+                      seed=args.seed, chat=args.chat, threads=args.threads, service_threads=args.service_threads,
+                      drafter=args.drafter, verifier=args.verifier)
+    print(format_peer(result))
+    if args.result_json:
+        serve.write_json(result, args.result_json)
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    commands = {"serve": _serve, "sweep": _sweep, "peer": _peer}
+    return commands[args.bench_command](args)

@@ -1,0 +1,115 @@
+"""Benchmark prompts: the shipped Spec-Bench-style set, or a ShareGPT JSON file.
+
+The shipped set (`data/prompts.jsonl`, written for this project) has 18 prompts in each
+of Spec-Bench's six categories plus code. One JSON object per line:
+`{"id", "category", "prompt"}`, or for a multi-turn conversation `{"id", "category",
+"turns"}` where `turns` alternates user / assistant and ends with a user message (sent
+as one chat with all those messages).
+
+A ShareGPT file is a JSON list of `{"conversations": [{"from": "human", "value": ...},
+{"from": "gpt", "value": ...}, ...]}`; each entry contributes its first human turn,
+labelled with the category "sharegpt".
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+SHIPPED = "specbench"
+SHIPPED_PATH = Path(__file__).resolve().parent / "data" / "prompts.jsonl"
+SHAREGPT = "sharegpt"
+
+CATEGORIES = {
+    "multi_turn": "multi-turn conversation",
+    "translation": "translation",
+    "summarization": "summarization",
+    "qa": "question answering",
+    "math_reasoning": "math reasoning",
+    "rag": "retrieval-augmented answering",
+    "code": "code",
+}
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    id: str
+    category: str
+    messages: tuple[str, ...]  # user, assistant, user, ...: odd length, the last one is the user's
+
+    @property
+    def text(self) -> str:
+        """The prompt as plain text (without a chat template)."""
+        if len(self.messages) == 1:
+            return self.messages[0]
+        roles = ("User", "Assistant")
+        lines = [f"{roles[i % 2]}: {m}" for i, m in enumerate(self.messages)]
+        return "\n".join(lines) + "\nAssistant:"
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        roles = ("user", "assistant")
+        return [{"role": roles[i % 2], "content": m} for i, m in enumerate(self.messages)]
+
+
+def load_shipped(path: Path = SHIPPED_PATH) -> list[BenchPrompt]:
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            turns = row.get("turns") or [row["prompt"]]
+            if len(turns) % 2 != 1:
+                raise ValueError(f"{path}:{n}: 'turns' must alternate user/assistant and end with a user message")
+            if row["category"] not in CATEGORIES:
+                raise ValueError(f"{path}:{n}: unknown category {row['category']!r}; known: {', '.join(CATEGORIES)}")
+            prompts.append(BenchPrompt(id=row["id"], category=row["category"], messages=tuple(turns)))
+    return prompts
+
+
+def load_sharegpt(path: str | Path) -> list[BenchPrompt]:
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: a ShareGPT file is a JSON list of {{'conversations': [...]}} entries")
+    prompts = []
+    for i, entry in enumerate(data):
+        turns = (entry.get("conversations") or []) if isinstance(entry, dict) else []
+        first = next((t.get("value", "") for t in turns if t.get("from") == "human"), "")
+        if first.strip():
+            prompts.append(BenchPrompt(id=str(entry.get("id", i)), category=SHAREGPT, messages=(first,)))
+    if not prompts:
+        raise ValueError(f"{path}: no conversation with a non-empty human turn")
+    return prompts
+
+
+def load_dataset(dataset: str) -> list[BenchPrompt]:
+    """`specbench` (the shipped set) or a path to a ShareGPT JSON file."""
+    if dataset == SHIPPED:
+        return load_shipped()
+    if not Path(dataset).is_file():
+        raise ValueError(f"--dataset must be '{SHIPPED}' or a ShareGPT JSON file, got {dataset!r} (no such file)")
+    return load_sharegpt(dataset)
+
+
+def interleave(prompts: Sequence[BenchPrompt], seed: int) -> list[BenchPrompt]:
+    """All prompts in a seeded order that cycles through the categories, so that the
+    first k prompts of the order cover min(k, #categories) categories evenly."""
+    rng = random.Random(seed)
+    by_cat: dict[str, list[BenchPrompt]] = {}
+    for p in prompts:
+        by_cat.setdefault(p.category, []).append(p)
+    queues = []
+    for cat in sorted(by_cat):
+        items = list(by_cat[cat])
+        rng.shuffle(items)
+        queues.append(items)
+    out = []
+    while any(queues):
+        for q in queues:
+            if q:
+                out.append(q.pop())
+    return out

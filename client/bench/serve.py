@@ -1,0 +1,601 @@
+"""`specdec bench serve`: a vLLM-style serving benchmark of the drafter + verifier pair.
+
+Workload. N prompts (see `datasets.py`) are sent from a thread pool, each through
+`SpeculativeClient.stream`; arrival times follow a Poisson process of `request_rate`
+requests/s (Gamma inter-arrivals with shape `burstiness` as in vLLM; burstiness 1 is
+Poisson, `inf` sends everything at once), and `max_concurrency` bounds the requests in
+flight (a request that arrives while all slots are busy waits for one; its latencies are
+measured from when it is actually sent, as vLLM does). Prompts are tokenized once, in
+the main thread, so worker threads share one client and only decode (read-only) with
+its tokenizer. `duration_limit_s` is a hard bound: requests not yet sent are recorded as
+failed ("not sent"), and requests in flight stop after their current round ("aborted").
+
+Metrics follow vLLM's `benchmarks/serve.py` names and definitions:
+- TTFT: from sending the request to the first streamed chunk (the first round's tokens).
+- E2EL: from sending the request to its last chunk.
+- TPOT: (e2el - ttft) / (output_tokens - 1) per request; one-token outputs have none.
+- ITL: one gap per streamed chunk after the first. Each speculative round is one chunk
+  carrying all the tokens it committed, and, as vLLM does for multi-token chunks, it
+  counts as ONE gap (not k gaps of which k - 1 are zero). ITL is thus the time per
+  round; TPOT is the per-token figure.
+- throughputs divide by the run's duration (first send to last completion);
+  `total_token_throughput` counts input + output tokens.
+- goodput (vLLM's `--goodput ttft:MS tpot:MS e2el:MS`): completed requests meeting
+  every given SLO, per second.
+Ours: `acceptance_rate` (accepted / proposed drafts), `mean_accepted_tokens_per_round`
+(accepted drafts per round, bonus token excluded), `mean_rounds_per_request`, and per
+round of each request `accepted_per_round` (the tokens its chunk carries minus one; a
+round cut short by EOS counts only the tokens kept) and `drafts_per_round` (min(γ,
+remaining − 1), the client's rule, kept only when it sums to the client's draft count).
+
+System efficiency = measured speedup / ideal speedup, with
+  ideal speedup = E(γ)·c_target / (γ·c_draft + c_verify),  E(γ) = (1 − α^(γ+1)) / (1 − α)
+(E = γ + 1 when α = 1), α the measured acceptance rate, c_draft the client-measured Draft
+time per drafted token (= Draft time per round / γ when every round drafts γ; this form
+does not count the short final rounds as cheap full ones), c_verify the Verify time per
+round of the speculative run, c_target the Verify time per token (= per round) of a
+target-only run of the same workload, and measured speedup = speculative output
+throughput / target-only output throughput. Without a target-only run it is null.
+
+Per-category metrics use the whole run's duration, so a category's throughput is its
+share of the run's throughput (the categories add up to the total).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Iterable, Sequence
+
+import grpc
+import numpy as np
+
+from client.bench.datasets import SHIPPED, BenchPrompt, interleave, load_dataset
+from client.speculative import SpeculativeClient
+from specdec.sampling import SamplingParams, mix64
+from specdec_rpc import specdec_pb2 as pb
+from specdec_rpc import specdec_pb2_grpc as pb_grpc
+from specdec_rpc.adapters import CHANNEL_OPTIONS
+
+log = logging.getLogger(__name__)
+
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
+SLO_METRICS = ("ttft", "tpot", "e2el")
+WARMUP_MAX_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    verifier: str
+    drafter: str | None = None
+    dataset: str = SHIPPED
+    num_prompts: int = 24
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    seed: int = 0
+    params: SamplingParams = SamplingParams(temperature=0.0, max_tokens=64)
+    num_speculative_tokens: int = 4
+    chat: bool = True
+    target_only: bool = False
+    timeout_s: float = 60.0
+    duration_limit_s: float | None = None
+    goodput_slos_ms: dict[str, float] = field(default_factory=dict)
+    warmup_requests: int = 1
+    show_progress: bool = True
+
+    def replace(self, **changes) -> "WorkloadConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    index: int
+    prompt: BenchPrompt
+    prompt_ids: tuple[int, ...]
+
+
+@dataclass
+class RequestRecord:
+    """What one request measured; times in seconds (vLLM's per-request units)."""
+
+    index: int
+    category: str
+    prompt_id: str
+    input_tokens: int
+    output_tokens: int = 0
+    start: float | None = None  # when it was sent, from the start of the run
+    ttft: float | None = None
+    e2el: float | None = None
+    itl: list[float] = field(default_factory=list)  # one gap per chunk (round) after the first
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_round: list[int] = field(default_factory=list)
+    drafts_per_round: list[int] = field(default_factory=list)  # empty when it could not be inferred
+    draft_time: float = 0.0  # client-measured time in Draft calls
+    verify_time: float = 0.0  # client-measured time in Verify calls
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.ok or self.output_tokens < 2:
+            return None
+        return (self.e2el - self.ttft) / (self.output_tokens - 1)
+
+
+# ---- arrivals -----------------------------------------------------------------------
+
+
+def inter_arrival_times(n: int, rate: float, seed: int, burstiness: float = 1.0) -> np.ndarray:
+    """[n] gaps in seconds between successive sends: Gamma(shape=burstiness,
+    scale=1/(rate·burstiness)), mean 1/rate; burstiness 1 is Exponential(rate), i.e.
+    Poisson arrivals. rate = inf gives zeros (everything at once)."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if not rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (inf sends all at once), got {rate}")
+    if not burstiness > 0:
+        raise ValueError(f"--burstiness must be > 0, got {burstiness}")
+    if math.isinf(rate):
+        return np.zeros(n)
+    rng = np.random.default_rng(seed)
+    return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+
+
+def arrival_offsets(n: int, rate: float, seed: int, burstiness: float = 1.0) -> np.ndarray:
+    """[n] send times from the start of the run; the first request goes at 0."""
+    gaps = inter_arrival_times(n, rate, seed, burstiness)
+    if n:
+        gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+# ---- server counters ----------------------------------------------------------------
+
+
+def server_stats(address: str, role: str, timeout_s: float = 10.0) -> dict[str, int | str] | None:
+    """The service's own counters (GetStats), or None if it cannot tell."""
+    stub_class = pb_grpc.DrafterStub if role == "drafter" else pb_grpc.VerifierStub
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        try:
+            msg = stub_class(channel).GetStats(pb.StatsRequest(), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            log.warning("GetStats on %s %s failed: %s", role, address, exc.code())
+            return None
+    return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
+
+
+def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
+    if before is None or after is None:
+        return None
+    return {k: v - before[k] for k, v in after.items() if isinstance(v, int) and k in before}
+
+
+# ---- requests -----------------------------------------------------------------------
+
+
+def encode(client: SpeculativeClient, prompt: BenchPrompt, chat: bool) -> list[int]:
+    if not chat:
+        return client.encode_prompt(prompt.text)
+    ids = client.tokenizer.apply_chat_template(prompt.chat_messages(), add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def build_requests(client: SpeculativeClient, config: WorkloadConfig) -> list[BenchRequest]:
+    """num_prompts requests from the dataset in a seeded, category-interleaved order,
+    cycling when it has fewer; prompts too long for the context are skipped."""
+    prompts = interleave(load_dataset(config.dataset), config.seed)
+    limit = client.verifier_info.max_context - config.params.max_tokens
+    encoded = []
+    for p in prompts:
+        ids = encode(client, p, config.chat)
+        if 0 < len(ids) <= limit:
+            encoded.append((p, tuple(ids)))
+    if not encoded:
+        raise ValueError(f"no prompt of {config.dataset} fits the context with max_tokens={config.params.max_tokens}")
+    if len(encoded) < len(prompts):
+        log.warning("skipped %d prompts longer than %d tokens", len(prompts) - len(encoded), limit)
+    return [BenchRequest(i, *encoded[i % len(encoded)]) for i in range(config.num_prompts)]
+
+
+def request_params(config: WorkloadConfig, index: int) -> SamplingParams:
+    """Random sampling gets a per-request seed derived from --seed, so runs repeat."""
+    if config.params.greedy:
+        return config.params
+    return config.params.replace(seed=mix64(config.seed, index))
+
+
+class _Aborted(Exception):
+    pass
+
+
+def send_request(client: SpeculativeClient, req: BenchRequest, config: WorkloadConfig, gamma: int,
+                 run_start: float, deadline: float | None) -> RequestRecord:
+    rec = RequestRecord(index=req.index, category=req.prompt.category, prompt_id=req.prompt.id,
+                        input_tokens=len(req.prompt_ids))
+    if deadline is not None and time.perf_counter() >= deadline:
+        rec.error = "not sent: duration limit reached"
+        return rec
+    params = request_params(config, req.index)
+    sent = last = time.perf_counter()
+    rec.start = sent - run_start
+    stream = client.stream(list(req.prompt_ids), params, num_speculative_tokens=gamma,
+                           target_only=config.target_only)
+    result = None
+    emitted = 0
+    try:
+        for chunk in stream:
+            now = time.perf_counter()
+            if rec.ttft is None:
+                rec.ttft = now - sent
+            else:
+                rec.itl.append(now - last)
+            last = now
+            if not config.target_only:
+                # The client drafts min(γ, remaining - 1) so that a round never overshoots max_tokens.
+                rec.drafts_per_round.append(max(0, min(gamma, params.max_tokens - emitted - 1)))
+                rec.accepted_per_round.append(max(len(chunk.token_ids) - 1, 0))
+            emitted += len(chunk.token_ids)
+            result = chunk.result
+            if result is None and deadline is not None and now >= deadline:
+                raise _Aborted
+    except _Aborted:
+        rec.error = "aborted: duration limit reached"
+    except grpc.RpcError as exc:
+        rec.error = f"{exc.code().name}: {exc.details()}"
+    except Exception as exc:  # recorded per request, like vLLM's failed requests
+        rec.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        stream.close()  # closes both sessions now, also when aborted
+    if result is None:
+        rec.error = rec.error or "stream ended without a result"
+        return rec
+    rec.e2el = last - sent
+    rec.output_tokens = len(result.token_ids)
+    rec.rounds = result.num_rounds
+    rec.draft_tokens = result.num_draft_tokens
+    rec.accepted_tokens = result.num_accepted_tokens
+    if sum(rec.drafts_per_round) != rec.draft_tokens:  # the client drafted differently than inferred
+        rec.drafts_per_round = []
+    rec.draft_time = result.draft_time_s
+    rec.verify_time = result.verify_time_s
+    rec.finish_reason = result.finish_reason
+    return rec
+
+
+def dispatch(client: SpeculativeClient, requests: Sequence[BenchRequest], config: WorkloadConfig,
+             gamma: int) -> tuple[list[RequestRecord], float]:
+    """Send every request at its arrival time; returns the records (in request order)
+    and the run's duration in seconds."""
+    offsets = arrival_offsets(len(requests), config.request_rate, config.seed, config.burstiness)
+    workers = max(1, min(len(requests), config.max_concurrency or len(requests)))
+    progress = _progress(len(requests), config)
+    lock = threading.Lock()
+    ends: list[float] = []
+
+    def done(_: Future) -> None:
+        with lock:
+            ends.append(time.perf_counter())
+            if progress is not None:
+                progress.update(1)
+
+    futures = []
+    start = time.perf_counter()
+    deadline = start + config.duration_limit_s if config.duration_limit_s else None
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bench") as pool:
+        for req, offset in zip(requests, offsets):
+            wake = start + float(offset)
+            if deadline is not None:
+                wake = min(wake, deadline)
+            pause = wake - time.perf_counter()
+            if pause > 0:
+                time.sleep(pause)
+            fut = pool.submit(send_request, client, req, config, gamma, start, deadline)
+            fut.add_done_callback(done)
+            futures.append(fut)
+    if progress is not None:
+        progress.close()
+    records = [f.result() for f in futures]
+    duration = (max(ends) if ends else time.perf_counter()) - start
+    return records, duration
+
+
+def _progress(total: int, config: WorkloadConfig):
+    if not config.show_progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="target-only" if config.target_only else "speculative", unit="req", leave=False)
+
+
+# ---- metrics ------------------------------------------------------------------------
+
+
+def _summary(name: str, values_s: Sequence[float]) -> dict[str, float | None]:
+    """mean / median / p90 / p99 in ms (None without data)."""
+    if not values_s:
+        return {f"{stat}_{name}_ms": None for stat in ("mean", "median", "p90", "p99")}
+    ms = np.asarray(values_s, dtype=float) * 1000.0
+    return {
+        f"mean_{name}_ms": float(ms.mean()),
+        f"median_{name}_ms": float(np.median(ms)),
+        f"p90_{name}_ms": float(np.percentile(ms, 90)),
+        f"p99_{name}_ms": float(np.percentile(ms, 99)),
+    }
+
+
+def _ratio(num: float, den: float, scale: float = 1.0) -> float | None:
+    return num / den * scale if den else None
+
+
+def meets_slos(rec: RequestRecord, slos_ms: dict[str, float]) -> bool:
+    measured = {"ttft": rec.ttft, "tpot": rec.tpot or 0.0, "e2el": rec.e2el}  # vLLM: one-token TPOT is 0
+    return rec.ok and all(measured[k] * 1000.0 <= v for k, v in slos_ms.items())
+
+
+def compute_metrics(records: Sequence[RequestRecord], duration: float,
+                    goodput_slos_ms: dict[str, float] | None = None) -> dict:
+    ok = [r for r in records if r.ok]
+    total_in = sum(r.input_tokens for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    rounds = sum(r.rounds for r in ok)
+    drafts = sum(r.draft_tokens for r in ok)
+    accepted = sum(r.accepted_tokens for r in ok)
+    out: dict = {
+        "num_prompts": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "duration": duration,
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": _ratio(len(ok), duration) or 0.0,
+        "output_throughput": _ratio(total_out, duration) or 0.0,
+        "total_token_throughput": _ratio(total_in + total_out, duration) or 0.0,
+    }
+    out.update(_summary("ttft", [r.ttft for r in ok]))
+    out.update(_summary("tpot", [r.tpot for r in ok if r.tpot is not None]))
+    out.update(_summary("itl", [gap for r in ok for gap in r.itl]))
+    out.update(_summary("e2el", [r.e2el for r in ok]))
+    out.update({
+        "acceptance_rate": _ratio(accepted, drafts),
+        "mean_accepted_tokens_per_round": _ratio(accepted, rounds) if drafts else None,
+        "mean_tokens_per_round": _ratio(total_out, rounds),
+        "mean_rounds_per_request": _ratio(rounds, len(ok)),
+        "total_rounds": rounds,
+        "total_draft_tokens": drafts,
+        "total_accepted_tokens": accepted,
+        # Client-measured call times, the inputs of the ideal-speedup model.
+        "mean_draft_time_per_round_ms": _ratio(sum(r.draft_time for r in ok), rounds, 1000.0) if drafts else None,
+        "mean_draft_time_per_token_ms": _ratio(sum(r.draft_time for r in ok), drafts, 1000.0),
+        "mean_verify_time_per_round_ms": _ratio(sum(r.verify_time for r in ok), rounds, 1000.0),
+        "goodput": None,
+    })
+    if goodput_slos_ms:
+        good = sum(meets_slos(r, goodput_slos_ms) for r in ok)
+        out["goodput"] = _ratio(good, duration) or 0.0
+    return out
+
+
+def expected_tokens_per_round(alpha: float, gamma: int) -> float:
+    """E(γ) = (1 − α^(γ+1)) / (1 − α): tokens a round emits when each draft is accepted
+    independently with probability α (γ + 1 when α = 1)."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def efficiency(spec: dict, base: dict | None, gamma: int) -> dict[str, float | None]:
+    """ideal_speedup, measured_speedup and system_efficiency of a speculative run
+    against a target-only run of the same workload (all None without one)."""
+    none = {"ideal_speedup": None, "measured_speedup": None, "system_efficiency": None}
+    if base is None:
+        return none
+    alpha = spec.get("acceptance_rate")
+    c_draft = spec.get("mean_draft_time_per_token_ms")
+    c_verify = spec.get("mean_verify_time_per_round_ms")
+    c_target = base.get("mean_verify_time_per_round_ms")
+    if None in (alpha, c_draft, c_verify, c_target) or not gamma or not base.get("output_throughput"):
+        return none
+    ideal = expected_tokens_per_round(alpha, gamma) * c_target / (gamma * c_draft + c_verify)
+    measured = spec["output_throughput"] / base["output_throughput"]
+    return {"ideal_speedup": ideal, "measured_speedup": measured, "system_efficiency": measured / ideal}
+
+
+def add_efficiency(result: dict, baseline: dict | None) -> dict:
+    """Fill the speedup fields of a speculative result (and of its categories) in place."""
+    gamma = result.get("num_speculative_tokens") or 0
+    result.update(efficiency(result, baseline, gamma))
+    for cat, metrics in result.get("per_category", {}).items():
+        base_cat = (baseline or {}).get("per_category", {}).get(cat)
+        metrics.update(efficiency(metrics, base_cat, gamma))
+    return result
+
+
+# ---- the run ------------------------------------------------------------------------
+
+
+def run_serve(config: WorkloadConfig, client: SpeculativeClient | None = None,
+              baseline: dict | None = None) -> dict:
+    """Run the workload once; returns the result dict (vLLM's keys plus ours)."""
+    own_client = client is None
+    if client is None:
+        client = SpeculativeClient(config.verifier, drafter=None if config.target_only else config.drafter,
+                                   num_speculative_tokens=config.num_speculative_tokens,
+                                   timeout_s=_call_timeout(config))
+    try:
+        gamma = 0 if config.target_only else _effective_gamma(client, config.num_speculative_tokens)
+        requests = build_requests(client, config)
+        for req in requests[: config.warmup_requests]:
+            client.generate(list(req.prompt_ids), config.params.replace(max_tokens=WARMUP_MAX_TOKENS),
+                            num_speculative_tokens=gamma, target_only=config.target_only)
+        roles = {"verifier": config.verifier}
+        if not config.target_only:  # a target-only run never contacts the drafter
+            roles["drafter"] = config.drafter
+        before = {role: server_stats(addr, role) for role, addr in roles.items()}
+        records, duration = dispatch(client, requests, config, gamma)
+        after = {role: server_stats(addr, role) for role, addr in roles.items()}
+    finally:
+        if own_client:
+            client.close()
+    result = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "backend": "specdec",
+        "mode": "target-only" if config.target_only else "speculative",
+        "verifier": config.verifier,
+        "drafter": None if config.target_only else config.drafter,
+        "verifier_model": client.verifier_info.model,
+        "drafter_model": client.drafter_info.model if client.drafter_info and not config.target_only else None,
+        "dataset": config.dataset,
+        "chat": config.chat,
+        "num_speculative_tokens": gamma,
+        "request_rate": _json_rate(config.request_rate),
+        "burstiness": config.burstiness,
+        "max_concurrency": config.max_concurrency,
+        "seed": config.seed,
+        "sampling": {k: v for k, v in dataclasses.asdict(config.params).items()
+                     if k in ("temperature", "top_k", "top_p", "min_p", "max_tokens", "ignore_eos")},
+        "duration_limit_s": config.duration_limit_s,
+        "goodput_slos_ms": dict(config.goodput_slos_ms) or None,
+    }
+    result.update(compute_metrics(records, duration, config.goodput_slos_ms))
+    categories = sorted({r.category for r in records})
+    result["per_category"] = {
+        cat: compute_metrics([r for r in records if r.category == cat], duration, config.goodput_slos_ms)
+        for cat in categories
+    }
+    result["server_stats"] = {
+        role: {"before": before[role], "after": after[role], "delta": _stats_delta(before[role], after[role])}
+        for role in roles
+    }
+    result["per_request"] = [dataclasses.asdict(r) for r in records]
+    if not config.target_only:
+        add_efficiency(result, baseline)
+    return result
+
+
+def _effective_gamma(client: SpeculativeClient, gamma: int) -> int:
+    """γ as the client will use it: capped by both services' max_draft_tokens."""
+    if gamma <= 0 or client.drafter_info is None:
+        return 0
+    return min(gamma, client.drafter_info.max_draft_tokens, client.verifier_info.max_draft_tokens)
+
+
+def _call_timeout(config: WorkloadConfig) -> float:
+    if config.duration_limit_s:
+        return max(1.0, min(config.timeout_s, config.duration_limit_s))
+    return config.timeout_s
+
+
+def _json_rate(rate: float) -> float | str:
+    return "inf" if math.isinf(rate) else rate
+
+
+def load_result(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def write_json(data: dict, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+
+
+# ---- printing -----------------------------------------------------------------------
+
+
+def _fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def format_result(result: dict) -> str:
+    """The result as vLLM's `bench serve` prints it, plus speculative figures and categories."""
+    width = 50
+    lines = [" Serving Benchmark Result ".center(width, "=")]
+
+    def row(label: str, value, digits: int = 2) -> None:
+        lines.append(f"{label:<40}{_fmt(value, digits):<10}")
+
+    def section(title: str) -> None:
+        lines.append(title.center(width, "-"))
+
+    row("Mode:", result["mode"])
+    row("Successful requests:", result["completed"])
+    row("Failed requests:", result["failed"])
+    if result.get("max_concurrency"):
+        row("Maximum request concurrency:", result["max_concurrency"])
+    row("Request rate (req/s):", result["request_rate"])
+    row("Benchmark duration (s):", result["duration"])
+    row("Total input tokens:", result["total_input_tokens"])
+    row("Total generated tokens:", result["total_output_tokens"])
+    row("Request throughput (req/s):", result["request_throughput"])
+    row("Output token throughput (tok/s):", result["output_throughput"])
+    row("Total Token throughput (tok/s):", result["total_token_throughput"])
+    if result.get("goodput") is not None:
+        row("Request goodput (req/s):", result["goodput"])
+    titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
+              "itl": "Inter-token Latency (per round)", "e2el": "End-to-end Latency"}
+    for name in LATENCY_METRICS:
+        section(titles[name])
+        upper = name.upper()
+        row(f"Mean {upper} (ms):", result[f"mean_{name}_ms"])
+        row(f"Median {upper} (ms):", result[f"median_{name}_ms"])
+        row(f"P90 {upper} (ms):", result[f"p90_{name}_ms"])
+        row(f"P99 {upper} (ms):", result[f"p99_{name}_ms"])
+    section("Speculative Decoding")
+    row("Num speculative tokens (gamma):", result["num_speculative_tokens"])
+    row("Draft acceptance rate:", result["acceptance_rate"], 3)
+    row("Mean accepted tokens per round:", result["mean_accepted_tokens_per_round"])
+    row("Mean tokens per round:", result["mean_tokens_per_round"])
+    row("Mean rounds per request:", result["mean_rounds_per_request"])
+    row("Draft time per drafted token (ms):", result["mean_draft_time_per_token_ms"])
+    row("Verify time per round (ms):", result["mean_verify_time_per_round_ms"])
+    row("Ideal speedup:", result.get("ideal_speedup"))
+    row("Measured speedup:", result.get("measured_speedup"))
+    row("System efficiency:", result.get("system_efficiency"), 3)
+    lines.append("=" * width)
+    lines.append(format_categories(result["per_category"]))
+    return "\n".join(lines)
+
+
+def format_categories(per_category: dict[str, dict]) -> str:
+    header = (f"{'category':<16}{'done':>5}{'fail':>5}{'out tok/s':>10}{'med TTFT':>10}{'med TPOT':>10}"
+              f"{'med E2EL':>10}{'accept':>8}")
+    lines = [header, "-" * len(header)]
+    for cat, m in per_category.items():
+        lines.append(f"{cat:<16}{m['completed']:>5}{m['failed']:>5}{_fmt(m['output_throughput']):>10}"
+                     f"{_fmt(m['median_ttft_ms'], 1):>10}{_fmt(m['median_tpot_ms'], 1):>10}"
+                     f"{_fmt(m['median_e2el_ms'], 1):>10}{_fmt(m['acceptance_rate'], 3):>8}")
+    return "\n".join(lines)
+
+
+def accepted_per_round(results: Iterable[dict], gamma: int) -> list[int]:
+    """Accepted drafts of every round that drafted the full γ (completed requests; the
+    final rounds capped by max_tokens draft fewer and are left out when known)."""
+    counts = []
+    for res in results:
+        for r in res["per_request"]:
+            if r["error"] is not None:
+                continue
+            drafts = r["drafts_per_round"] or [gamma] * len(r["accepted_per_round"])
+            counts += [a for a, d in zip(r["accepted_per_round"], drafts) if d == gamma]
+    return counts

@@ -1,0 +1,95 @@
+"""`specdec bench sweep`: `serve` at several concurrencies or request rates, each point
+run speculative and target-only back to back (so every point has its own baseline and
+system efficiency), one JSON with all points, one table, one PNG."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+from typing import Sequence
+
+from client.bench.serve import WorkloadConfig, _json_rate, add_efficiency, run_serve
+from client.speculative import SpeculativeClient
+
+
+def parse_points(text: str, flag: str, integer: bool) -> list[float]:
+    """'1,2,4' -> [1, 2, 4]: positive integers, or positive numbers including inf."""
+    values: list[float] = []
+    for item in (i.strip() for i in text.split(",")):
+        if not item:
+            continue
+        try:
+            value = int(item) if integer else float(item)
+        except ValueError:
+            raise ValueError(f"{flag} takes comma-separated {'integers' if integer else 'numbers or inf'}, "
+                             f"got {item!r}") from None
+        if not value > 0:
+            raise ValueError(f"{flag} values must be > 0, got {item!r}")
+        values.append(value)
+    if not values:
+        raise ValueError(f"{flag} is empty")
+    return values
+
+
+def run_sweep(base: WorkloadConfig, concurrency: Sequence[int] = (), request_rates: Sequence[float] = ()) -> dict:
+    """One point per concurrency (at base.request_rate) or per request rate (at
+    base.max_concurrency)."""
+    if bool(concurrency) == bool(request_rates):
+        raise ValueError("give exactly one of --concurrency and --request-rates")
+    if concurrency:
+        settings = [({"max_concurrency": c}, f"c={c}") for c in concurrency]
+    else:
+        settings = [({"request_rate": r}, f"rate={'inf' if math.isinf(r) else f'{r:g}'}") for r in request_rates]
+    from tqdm import tqdm
+
+    points = []
+    with SpeculativeClient(base.verifier, drafter=base.drafter, num_speculative_tokens=base.num_speculative_tokens,
+                           timeout_s=base.timeout_s) as client:
+        bar = tqdm(total=2 * len(settings), desc="sweep", unit="run", disable=not base.show_progress)
+        for changes, label in settings:
+            bar.set_postfix_str(label)
+            spec = run_serve(base.replace(target_only=False, **changes), client)
+            bar.update(1)
+            target = run_serve(base.replace(target_only=True, **changes), client)
+            bar.update(1)
+            add_efficiency(spec, target)
+            points.append({"label": label, **{k: _json_rate(v) if k == "request_rate" else v
+                                              for k, v in changes.items()},
+                           "speculative": spec, "target_only": target,
+                           "ideal_speedup": spec["ideal_speedup"], "measured_speedup": spec["measured_speedup"],
+                           "system_efficiency": spec["system_efficiency"]})
+        bar.close()
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "backend": "specdec",
+        "sweep": "max_concurrency" if concurrency else "request_rate",
+        "verifier": base.verifier,
+        "drafter": base.drafter,
+        "dataset": base.dataset,
+        "num_prompts": base.num_prompts,
+        "num_speculative_tokens": base.num_speculative_tokens,
+        "points": points,
+    }
+
+
+def _fmt(value, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def format_sweep(sweep: dict) -> str:
+    header = (f"{'point':<10}{'mode':<13}{'done':>5}{'fail':>5}{'req/s':>8}{'out tok/s':>10}{'med TTFT':>10}"
+              f"{'med TPOT':>10}{'med E2EL':>10}{'accept':>8}{'speedup':>9}{'ideal':>7}{'effic.':>8}")
+    lines = [header, "-" * len(header)]
+    for p in sweep["points"]:
+        for mode in ("speculative", "target_only"):
+            r = p[mode]
+            spec = mode == "speculative"
+            lines.append(
+                f"{p['label']:<10}{mode.replace('_', '-'):<13}{r['completed']:>5}{r['failed']:>5}"
+                f"{_fmt(r['request_throughput']):>8}{_fmt(r['output_throughput']):>10}"
+                f"{_fmt(r['median_ttft_ms'], 1):>10}{_fmt(r['median_tpot_ms'], 1):>10}"
+                f"{_fmt(r['median_e2el_ms'], 1):>10}{_fmt(r['acceptance_rate'], 3):>8}"
+                f"{_fmt(p['measured_speedup'] if spec else None):>9}{_fmt(p['ideal_speedup'] if spec else None):>7}"
+                f"{_fmt(p['system_efficiency'] if spec else None, 3):>8}"
+            )
+    return "\n".join(lines)

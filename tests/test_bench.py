@@ -1,0 +1,172 @@
+"""`specdec bench`: workload, metrics and outputs, against the real services on loopback."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from client.bench.datasets import CATEGORIES, SHAREGPT, load_dataset, load_shipped
+from client.bench.serve import (
+    LATENCY_METRICS,
+    RequestRecord,
+    compute_metrics,
+    efficiency,
+    expected_tokens_per_round,
+    inter_arrival_times,
+    server_stats,
+)
+from specdec.cli import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _bench(*args: str) -> int:
+    return main(["bench", *args, "--disable-tqdm"])
+
+
+def _servers(drafter_proc, verifier_proc) -> list[str]:
+    return ["--drafter", drafter_proc.address, "--verifier", verifier_proc.address]
+
+
+@pytest.mark.slow
+def test_serve_writes_json_whose_counts_add_up_and_percentiles_are_ordered(drafter_proc, verifier_proc, tmp_path):
+    out = tmp_path / "serve.json"
+    rc = _bench("serve", *_servers(drafter_proc, verifier_proc), "--num-prompts", "7", "--max-tokens", "8",
+                "--num-speculative-tokens", "4", "--max-concurrency", "2", "--request-rate", "20",
+                "--goodput", "e2el:60000", "--result-json", str(out))
+    assert rc == 0
+    res = json.loads(out.read_text())
+    done = [r for r in res["per_request"] if r["error"] is None]
+    assert res["num_prompts"] == 7 and res["completed"] + res["failed"] == 7
+    assert res["failed"] == 0, [r["error"] for r in res["per_request"]]
+    assert res["total_output_tokens"] == sum(r["output_tokens"] for r in done) > 0
+    assert res["total_input_tokens"] == sum(r["input_tokens"] for r in done)
+    for name in LATENCY_METRICS:
+        assert res[f"median_{name}_ms"] <= res[f"p90_{name}_ms"] <= res[f"p99_{name}_ms"], name
+    assert res["mean_e2el_ms"] == pytest.approx(1000 * np.mean([r["e2el"] for r in done]))
+    assert 0.0 <= res["acceptance_rate"] <= 1.0
+    assert res["goodput"] == pytest.approx(res["request_throughput"])  # every request meets a 60 s SLO
+    # 7 prompts interleave the 7 categories: one each, and the categories add up to the total.
+    assert set(res["per_category"]) == {r["category"] for r in res["per_request"]} == set(CATEGORIES)
+    assert sum(m["total_output_tokens"] for m in res["per_category"].values()) == res["total_output_tokens"]
+    for metrics in res["per_category"].values():
+        assert metrics["completed"] == 1 and metrics["median_ttft_ms"] > 0
+    assert res["system_efficiency"] is None  # no target-only baseline given
+
+
+@pytest.mark.slow
+def test_target_only_never_calls_the_drafter_but_speculative_does(drafter_proc, verifier_proc, tmp_path):
+    common = [*_servers(drafter_proc, verifier_proc), "--num-prompts", "2", "--max-tokens", "6",
+              "--warmup-requests", "0"]
+    before = server_stats(drafter_proc.address, "drafter")
+    assert _bench("serve", *common, "--target-only", "--result-json", str(tmp_path / "base.json")) == 0
+    after_target_only = server_stats(drafter_proc.address, "drafter")
+    assert _bench("serve", *common, "--baseline-json", str(tmp_path / "base.json"),
+                  "--result-json", str(tmp_path / "spec.json")) == 0
+    after_speculative = server_stats(drafter_proc.address, "drafter")
+
+    assert after_target_only["requests"] == before["requests"]
+    assert after_target_only["draft_tokens"] == before["draft_tokens"]
+    assert after_speculative["requests"] > after_target_only["requests"]
+    base = json.loads((tmp_path / "base.json").read_text())
+    spec = json.loads((tmp_path / "spec.json").read_text())
+    assert "drafter" not in base["server_stats"] and base["server_stats"]["verifier"]["delta"]["requests"] > 0
+    assert spec["server_stats"]["drafter"]["delta"]["draft_tokens"] == spec["total_draft_tokens"] > 0
+    assert spec["system_efficiency"] is not None  # the baseline makes it computable
+
+
+def test_poisson_inter_arrivals_match_the_requested_rate():
+    # H0: the gaps are Exponential(rate). n = 4000, fixed seed.
+    rate = 3.0
+    gaps = inter_arrival_times(4000, rate, seed=1234)
+    assert stats.kstest(gaps, "expon", args=(0, 1 / rate)).pvalue > 0.001
+    # Power: the same samples reject a rate 1.5x off.
+    assert stats.kstest(gaps, "expon", args=(0, 1 / (1.5 * rate))).pvalue < 0.001
+
+
+def test_infinite_request_rate_sends_everything_at_once():
+    assert not inter_arrival_times(50, float("inf"), seed=0).any()
+
+
+def test_shipped_dataset_has_120_prompts_covering_all_seven_categories():
+    prompts = load_shipped()
+    counts = {cat: sum(p.category == cat for p in prompts) for cat in CATEGORIES}
+    assert len(prompts) >= 120
+    assert min(counts.values()) >= 15, counts  # roughly equal
+    assert len({p.id for p in prompts}) == len(prompts)
+    assert all(len(p.messages) >= 3 for p in prompts if p.category == "multi_turn")
+
+
+def test_sharegpt_file_loads_the_first_human_turn(tmp_path):
+    data = [
+        {"id": "a", "conversations": [{"from": "human", "value": "Hello there?"}, {"from": "gpt", "value": "Hi."},
+                                      {"from": "human", "value": "second turn"}]},
+        {"id": "b", "conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "Why?"}]},
+        {"id": "c", "conversations": [{"from": "gpt", "value": "no human turn"}]},
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    prompts = load_dataset(str(path))
+    assert [p.messages for p in prompts] == [("Hello there?",), ("Why?",)]
+    assert {p.category for p in prompts} == {SHAREGPT}
+
+
+def test_metrics_follow_vllm_definitions():
+    # Two requests: 5 tokens in 3 chunks, and 1 token in 1 chunk; 1 failed.
+    a = RequestRecord(0, "qa", "x", input_tokens=10, output_tokens=5, ttft=0.1, e2el=0.5, itl=[0.2, 0.2], rounds=3,
+                      draft_tokens=8, accepted_tokens=2)
+    b = RequestRecord(1, "qa", "y", input_tokens=4, output_tokens=1, ttft=0.3, e2el=0.3, rounds=1)
+    c = RequestRecord(2, "qa", "z", input_tokens=4, error="UNAVAILABLE: down")
+    m = compute_metrics([a, b, c], duration=2.0, goodput_slos_ms={"ttft": 200})
+    assert (m["completed"], m["failed"], m["total_output_tokens"]) == (2, 1, 6)
+    assert m["output_throughput"] == pytest.approx(3.0)
+    assert m["total_token_throughput"] == pytest.approx(10.0)
+    assert m["mean_tpot_ms"] == pytest.approx(100.0)  # (0.5 - 0.1) / 4; one-token outputs have no TPOT
+    assert m["median_itl_ms"] == pytest.approx(200.0)  # one gap per chunk
+    assert m["acceptance_rate"] == pytest.approx(0.25)
+    assert m["goodput"] == pytest.approx(0.5)  # only `a` has TTFT <= 200 ms
+
+
+def test_ideal_speedup_model():
+    assert expected_tokens_per_round(1.0, 4) == 5.0
+    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
+    spec = {"acceptance_rate": 1.0, "mean_draft_time_per_token_ms": 1.0, "mean_verify_time_per_round_ms": 12.0,
+            "output_throughput": 30.0}
+    base = {"mean_verify_time_per_round_ms": 10.0, "output_throughput": 10.0}
+    out = efficiency(spec, base, gamma=4)
+    assert out["ideal_speedup"] == pytest.approx(5 * 10.0 / (4 * 1.0 + 12.0))
+    assert out["measured_speedup"] == pytest.approx(3.0)
+    assert out["system_efficiency"] == pytest.approx(3.0 / (50 / 16))
+    assert efficiency(spec, None, gamma=4)["system_efficiency"] is None
+
+
+@pytest.mark.slow
+def test_duration_limit_stops_the_run_by_itself(drafter_proc, verifier_proc, tmp_path):
+    out = tmp_path / "limited.json"
+    start = time.monotonic()
+    # 0.1 req/s: the later requests are due long after the 3 s limit.
+    _bench("serve", *_servers(drafter_proc, verifier_proc), "--num-prompts", "4", "--max-tokens", "6",
+           "--request-rate", "0.1", "--duration-limit-s", "3", "--warmup-requests", "0", "--result-json", str(out))
+    assert time.monotonic() - start < 20
+    res = json.loads(out.read_text())
+    assert res["completed"] + res["failed"] == 4
+    assert any(r["error"] == "not sent: duration limit reached" for r in res["per_request"])
+
+
+@pytest.mark.slow
+def test_sweep_writes_a_png_and_both_modes_per_point(drafter_proc, verifier_proc, tmp_path):
+    png, out = tmp_path / "sweep.png", tmp_path / "sweep.json"
+    rc = _bench("sweep", *_servers(drafter_proc, verifier_proc), "--num-prompts", "2", "--max-tokens", "6",
+                "--concurrency", "1,2", "--plot", str(png), "--result-json", str(out))
+    assert rc == 0
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    res = json.loads(out.read_text())
+    assert [p["max_concurrency"] for p in res["points"]] == [1, 2]
+    for point in res["points"]:
+        assert point["speculative"]["mode"] == "speculative" and point["speculative"]["completed"] == 2
+        assert point["target_only"]["mode"] == "target-only" and point["target_only"]["completed"] == 2
+        assert point["system_efficiency"] is not None and point["system_efficiency"] > 0
