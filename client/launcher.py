@@ -42,14 +42,16 @@ class ServiceProcess:
 
 
 def start_service(role: str, args: list[str] | None = None, *, host: str = "127.0.0.1", port: int = 0,
-                  threads: int | None = None, timeout_s: float = 600.0) -> ServiceProcess:
-    """Run `specdec <role> ...` and wait until it prints the address it bound."""
+                  threads: int | None = None, timeout_s: float = 600.0,
+                  env: dict[str, str] | None = None) -> ServiceProcess:
+    """Run `specdec <role> ...` and wait until it prints the address it bound. `env` adds
+    variables (e.g. SPECDEC_DTYPE, SPECDEC_METRICS_PORT: the container configuration)."""
     if role not in ("drafter", "verifier"):
         raise ValueError(f"role must be drafter or verifier, got {role!r}")
     cmd = [sys.executable, "-m", "specdec.cli", role, "--host", host, "--port", str(port), *(args or [])]
     if threads:
         cmd += ["--threads", str(threads)]
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     # Idle OpenMP workers sleep instead of spinning, so the other service gets the cores
     # as soon as this one finishes its step.
     if os.environ.get("SPECDEC_OMP_PASSIVE"):

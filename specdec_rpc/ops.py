@@ -1,0 +1,444 @@
+"""Operations around the two servicers: health, reflection, Prometheus metrics, structured
+call logs, draining, TLS credentials and bearer-token auth. gRPC-aware, so it lives here
+and never in `specdec/`.
+
+Server side, `ServerOps` owns one service's extras: `serve()` (adapters.py) builds it,
+passes its `interceptors()` to `grpc.server`, calls `install(server)` before start and
+`drain(grace_s)` on shutdown. Client side, `open_channel` gives a channel with keepalive,
+fast reconnects, TLS and the token attached to every call.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from specdec_rpc import specdec_pb2 as pb
+
+log = logging.getLogger("specdec.rpc")
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+# Calls that need no token and stay open while draining: an orchestrator's probe must be
+# able to see NOT_SERVING, and probes rarely carry credentials (docker, k8s grpc probes).
+_OPEN_PREFIXES = (HEALTH_PREFIX,)
+
+# Keepalive: the client pings an idle connection every 20 s so a dead peer (a killed
+# container, a dropped NAT entry) fails the next call at once instead of after its
+# deadline. Reconnect backoff stays short (0.2-2 s instead of gRPC's 1-120 s) so a
+# restarted drafter / verifier is picked up within about a second.
+CLIENT_OPTIONS = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+# The server must accept those pings (by default it answers pings more often than every
+# 5 min on an idle connection with GOAWAY "too_many_pings"), and pings its clients too.
+SERVER_OPTIONS = [
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_DRAFT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+_CONCURRENCY_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+# ---- credentials -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """PEM paths. Server: cert + key, and ca to require client certificates (mutual TLS).
+    Client: ca to verify the server (None = system roots), cert + key for mutual TLS."""
+
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert or self.key or self.ca)
+
+
+def _read(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def server_credentials(tls: TLSFiles) -> grpc.ServerCredentials:
+    if not (tls.cert and tls.key):
+        raise ValueError("TLS on a server needs both --tls-cert and --tls-key")
+    ca = _read(tls.ca)
+    return grpc.ssl_server_credentials(
+        [(_read(tls.key), _read(tls.cert))], root_certificates=ca, require_client_auth=ca is not None
+    )
+
+
+def channel_credentials(tls: TLSFiles) -> grpc.ChannelCredentials:
+    if bool(tls.cert) != bool(tls.key):
+        raise ValueError("a client certificate needs both --tls-cert and --tls-key")
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(tls.ca), private_key=_read(tls.key), certificate_chain=_read(tls.cert)
+    )
+
+
+def load_tokens(path: str) -> list[str]:
+    """Tokens a server accepts: one per line; blank lines and '#' comments are skipped."""
+    with open(path, encoding="utf-8") as f:
+        tokens = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    if not tokens:
+        raise ValueError(f"auth token file {path} holds no token")
+    return tokens
+
+
+def read_token(path: str) -> str:
+    """The token a client sends: the first one in the file."""
+    return load_tokens(path)[0]
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8")).digest()
+
+
+def _bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    for key, value in metadata or ():
+        if key == "authorization" and isinstance(value, str) and value[:7].lower() == "bearer ":
+            return value[7:].strip()
+    return None
+
+
+def caller_owner(context: grpc.ServicerContext) -> str | None:
+    """Who owns the sessions this caller opens: a hash of its bearer token, else of its
+    client-certificate identity (mutual TLS), else None (anyone)."""
+    token = _bearer(context.invocation_metadata())
+    if token is not None:
+        return "token:" + _digest(token).hex()
+    identities = context.peer_identities()
+    if identities:
+        return "x509:" + hashlib.sha256(b"\0".join(identities)).hexdigest()
+    return None
+
+
+class _CallDetails(
+    collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                                            "compression")),
+    grpc.ClientCallDetails,
+):
+    """grpc.ClientCallDetails is an interface; the grpc examples fill it with a namedtuple."""
+
+
+class _BearerAuth(grpc.UnaryUnaryClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._metadata = ("authorization", f"Bearer {token}")
+
+    def intercept_unary_unary(self, continuation, details, request):
+        details = _CallDetails(details.method, details.timeout, [*(details.metadata or ()), self._metadata],
+                               details.credentials, details.wait_for_ready, details.compression)
+        return continuation(details, request)
+
+
+def open_channel(address: str, *, tls: TLSFiles = TLSFiles(), auth_token: str | None = None,
+                 options: Sequence[tuple[str, int]] = ()) -> grpc.Channel:
+    """A client channel: TLS when any TLS file is given, the token on every call."""
+    opts = list(options) + CLIENT_OPTIONS
+    if tls.enabled:
+        channel = grpc.secure_channel(address, channel_credentials(tls), options=opts)
+    else:
+        channel = grpc.insecure_channel(address, options=opts)
+    if auth_token:
+        # A metadata interceptor rather than call credentials: those are refused on
+        # plaintext channels, and a token over plaintext is still useful on a private network.
+        channel = grpc.intercept_channel(channel, _BearerAuth(auth_token))
+    return channel
+
+
+def check_health(address: str, service: str = "", *, tls: TLSFiles = TLSFiles(), timeout_s: float = 5.0) -> str:
+    """The health status name of `service` ('' = the whole server), e.g. 'SERVING'."""
+    with open_channel(address, tls=tls) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                         timeout=timeout_s)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+# ---- server interceptors ------------------------------------------------------------------
+
+
+def _rejecting(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that fails every call with `code`."""
+
+    def reject(request, context):
+        context.abort(code, details)
+
+    if handler.unary_unary:
+        make = grpc.unary_unary_rpc_method_handler
+    elif handler.unary_stream:
+        make = grpc.unary_stream_rpc_method_handler
+    elif handler.stream_unary:
+        make = grpc.stream_unary_rpc_method_handler
+    else:
+        make = grpc.stream_stream_rpc_method_handler
+    return make(reject, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """UNAUTHENTICATED unless the call carries `authorization: Bearer <one of tokens>`."""
+
+    def __init__(self, tokens: Sequence[str]) -> None:
+        self._digests = [_digest(t) for t in tokens]
+
+    def accepts(self, token: str | None) -> bool:
+        # Equal-length digests compared in constant time, and every one of them compared,
+        # so neither the length nor the position of a match shows in the timing.
+        given = _digest(token or "")
+        ok = False
+        for d in self._digests:
+            ok |= hmac.compare_digest(given, d)
+        return ok and token is not None
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(_OPEN_PREFIXES):
+            return handler
+        if self.accepts(_bearer(handler_call_details.invocation_metadata)):
+            return handler
+        return _rejecting(handler, grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or invalid bearer token (metadata 'authorization: Bearer <token>')")
+
+
+class ObservingInterceptor(grpc.ServerInterceptor):
+    """Per call: latency and status metrics, one key=value log line, the in-flight count
+    draining waits on; while draining, new calls are refused with UNAVAILABLE."""
+
+    def __init__(self, registry: CollectorRegistry, role: str) -> None:
+        self.role = role
+        self.handled = Counter("grpc_server_handled", "RPCs completed, by method and status code",
+                               ["grpc_service", "grpc_method", "grpc_code"], registry=registry)
+        self.latency = Histogram("grpc_server_handling_seconds", "RPC latency on the server",
+                                 ["grpc_service", "grpc_method"], buckets=_LATENCY_BUCKETS, registry=registry)
+        self.drafts = Histogram("specdec_draft_tokens_per_call",
+                                "gamma asked of a Draft / drafts sent to a Verify: the speculation batch",
+                                ["grpc_method"], buckets=_DRAFT_BUCKETS, registry=registry)
+        self.concurrency = Histogram("specdec_concurrent_calls",
+                                     "calls in flight when a call arrives (what the engine can batch)",
+                                     buckets=_CONCURRENCY_BUCKETS, registry=registry)
+        self.inflight_gauge = Gauge("specdec_inflight_calls", "calls in flight now", registry=registry)
+        self.draining = False
+        self._inflight = 0
+        self._idle = threading.Condition()
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith(_OPEN_PREFIXES):
+            return handler
+        if self.draining:
+            return _rejecting(handler, grpc.StatusCode.UNAVAILABLE,
+                              "the server is shutting down; retry on another replica or after it restarts")
+        if not handler.unary_unary:
+            return handler  # reflection streams: not counted
+        service, _, name = method.lstrip("/").rpartition("/")
+        inner = handler.unary_unary
+
+        def behavior(request, context):
+            with self._idle:
+                self._inflight += 1
+                concurrent = self._inflight
+            self.inflight_gauge.inc()
+            self.concurrency.observe(concurrent)
+            t0 = time.perf_counter()
+            code = grpc.StatusCode.OK
+            reply = None
+            try:
+                reply = inner(request, context)
+                code = context.code() or grpc.StatusCode.OK
+                return reply
+            except BaseException:
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                raise
+            finally:
+                elapsed = time.perf_counter() - t0
+                self._observe(service, name, code, elapsed, request, reply, context)
+                self.inflight_gauge.dec()
+                with self._idle:
+                    self._inflight -= 1
+                    self._idle.notify_all()
+
+        return grpc.unary_unary_rpc_method_handler(behavior, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
+
+    def _observe(self, service: str, name: str, code: grpc.StatusCode, elapsed: float, request, reply, context) -> None:
+        self.handled.labels(service, name, code.name).inc()
+        self.latency.labels(service, name).observe(elapsed)
+        if name == "Draft":
+            self.drafts.labels(name).observe(request.num_draft_tokens)
+        elif name == "Verify":
+            self.drafts.labels(name).observe(len(request.draft_token_ids))
+        session = getattr(request, "session_id", "") or getattr(reply, "session_id", "") or "-"
+        level = logging.DEBUG
+        if code != grpc.StatusCode.OK:
+            level = logging.WARNING if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else logging.INFO
+        if log.isEnabledFor(level):
+            log.log(level, "rpc role=%s method=%s code=%s ms=%.1f session=%s peer=%s%s", self.role, name, code.name,
+                    elapsed * 1000, session, context.peer(),
+                    f" details={context.details()!r}" if code != grpc.StatusCode.OK else "")
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no counted call is in flight; False if still busy after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        with self._idle:
+            while self._inflight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+
+# ---- metrics from the engine's own counters ---------------------------------------------
+
+# snapshot_stats() key -> (metric name, help). Counters gain `_total` on exposition.
+_COUNTERS = {
+    "requests": ("specdec_engine_requests", "requests the engine completed"),
+    "failed_requests": ("specdec_engine_failed_requests", "requests the engine failed"),
+    "forwards": ("specdec_forwards", "model forwards"),
+    "draft_tokens": ("specdec_draft_tokens", "draft tokens proposed (drafter) / received (verifier)"),
+    "accepted_tokens": ("specdec_accepted_tokens", "draft tokens accepted"),
+    "emitted_tokens": ("specdec_emitted_tokens", "tokens emitted (accepted drafts + recovered / bonus)"),
+    "batches": ("specdec_batches", "batched engine steps"),
+    "evictions": ("specdec_session_evictions", "sessions evicted to admit new ones"),
+}
+_GAUGES = {
+    "live_sessions": ("specdec_live_sessions", "open sessions"),
+    "kv_tokens": ("specdec_kv_tokens", "tokens held in KV caches"),
+    "kv_bytes": ("specdec_kv_bytes", "bytes held in KV caches"),
+}
+
+
+class EngineCollector:
+    """Reads `engine.snapshot_stats()` at scrape time, so the engines keep no metric code.
+    Keys it does not know are exported as gauges `specdec_engine_<key>`."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.snapshot_stats()
+        role = self.engine.role
+        for key, value in stats.items():
+            if not isinstance(value, (int, float)):
+                continue
+            if key in _COUNTERS:
+                name, doc = _COUNTERS[key]
+                family = CounterMetricFamily(name, doc, labels=["role"])
+            else:
+                name, doc = _GAUGES.get(key, (f"specdec_engine_{key}", f"engine statistic {key}"))
+                family = GaugeMetricFamily(name, doc, labels=["role"])
+            family.add_metric([role], value)
+            yield family
+        rate = GaugeMetricFamily("specdec_acceptance_rate", "accepted / proposed draft tokens since start",
+                                 labels=["role"])
+        drafted = stats.get("draft_tokens", 0)
+        rate.add_metric([role], stats.get("accepted_tokens", 0) / drafted if drafted else 0.0)
+        yield rate
+
+
+# ---- one service's extras ----------------------------------------------------------------
+
+
+class ServerOps:
+    """Health, reflection, metrics, auth and draining for one service."""
+
+    def __init__(self, engine, *, auth_tokens: Sequence[str] = (), metrics_port: int = 0) -> None:
+        self.engine = engine
+        self.service_name = pb.DESCRIPTOR.services_by_name[engine.role.capitalize()].full_name
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine))
+        self.observer = ObservingInterceptor(self.registry, engine.role)
+        self.auth = TokenAuthInterceptor(auth_tokens) if auth_tokens else None
+        self.health = health.HealthServicer(experimental_non_blocking=True)
+        self.metrics_port = metrics_port
+        self._http: object | None = None
+
+    def interceptors(self) -> list[grpc.ServerInterceptor]:
+        # The observer is outermost so that refused (UNAUTHENTICATED) calls are counted too.
+        return [self.observer] + ([self.auth] if self.auth else [])
+
+    def install(self, server: grpc.Server) -> None:
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (self.service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+
+    def start(self, host: str) -> int:
+        """After server.start (the model is loaded by then): SERVING, metrics endpoint up.
+        Returns the metrics port (0 = off)."""
+        bound = 0
+        if self.metrics_port:
+            self._http, _ = start_http_server(self.metrics_port, addr=host, registry=self.registry)
+            bound = self._http.server_port
+        for name in ("", self.service_name):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return bound
+
+    def drain(self, grace_s: float) -> bool:
+        """NOT_SERVING, refuse new calls with UNAVAILABLE, wait for in-flight ones up to
+        grace_s. Returns whether they all finished."""
+        self.observer.draining = True
+        self.health.enter_graceful_shutdown()
+        idle = self.observer.wait_idle(grace_s)
+        log.info("drain role=%s idle=%s", self.engine.role, idle)
+        return idle
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+def wrap_stop(server: grpc.Server, ops: ServerOps, on_stopped: Callable[[], None] = lambda: None) -> None:
+    """Make `server.stop(grace)` drain first: health NOT_SERVING and new calls UNAVAILABLE
+    while in-flight calls finish, then the real stop with what is left of the grace.
+    Like grpc's own stop it returns at once with an Event set when everything stopped."""
+    original_stop = server.stop
+
+    def stop(grace):
+        done = threading.Event()
+
+        def run() -> None:
+            deadline = time.monotonic() + (grace or 0.0)
+            try:
+                if grace:
+                    ops.drain(grace)
+                original_stop(max(0.0, deadline - time.monotonic())).wait()
+            finally:
+                ops.close()
+                on_stopped()
+                done.set()
+
+        threading.Thread(target=run, name="drain", daemon=True).start()
+        return done
+
+    server.stop = stop  # type: ignore[method-assign]

@@ -1,0 +1,213 @@
+"""Deployment files: the compose topology and Dockerfile targets are what the code accepts,
+and the same topology runs as local processes configured only through the environment."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from client.launcher import start_service
+from specdec.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE_DIR = "/models"
+
+
+class _Reset:
+    """Compose's `!reset` tag: the override removes the key."""
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    pass
+
+
+_ComposeLoader.add_constructor("!reset", lambda loader, node: _Reset())
+
+
+def _load(name: str) -> dict:
+    with open(ROOT / name, encoding="utf-8") as f:
+        return yaml.load(f, Loader=_ComposeLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def _merge(base, override):
+    """Compose's merge of an override file, as far as these files use it."""
+    if isinstance(override, _Reset):
+        return None
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for key, value in override.items():
+            merged = _merge(base.get(key), value)
+            if merged is None and isinstance(value, _Reset):
+                out.pop(key, None)
+            else:
+                out[key] = merged
+        return out
+    return override
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return _load("docker-compose.yml")
+
+
+@pytest.fixture(scope="module")
+def compose_cpu(compose) -> dict:
+    return _merge(compose, _load("docker-compose.cpu.yml"))
+
+
+def _service_argv(service: dict) -> list[str]:
+    """argv after the image's `specdec` entrypoint."""
+    entrypoint = service.get("entrypoint", ["specdec"])
+    assert entrypoint == ["specdec"], entrypoint
+    return list(service["command"])
+
+
+def _parse(argv: list[str], env: dict[str, str], monkeypatch):
+    """Parse argv exactly as the container's `specdec` would, with its environment."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, str(value))
+    try:
+        return build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse rejected it
+        raise AssertionError(f"`specdec {' '.join(argv)}` is not accepted by specdec.cli: exit {exc.code}") from None
+    finally:
+        for key in env:
+            monkeypatch.delenv(key)
+
+
+def test_compose_has_drafter_verifier_and_a_loadgen_profile(compose):
+    assert set(compose["services"]) == {"drafter", "verifier", "loadgen"}
+    assert "profiles" not in compose["services"]["drafter"] and "profiles" not in compose["services"]["verifier"]
+    assert compose["services"]["loadgen"]["profiles"] == ["loadgen"]
+    deps = compose["services"]["loadgen"]["depends_on"]
+    assert deps == {"drafter": {"condition": "service_healthy"}, "verifier": {"condition": "service_healthy"}}
+
+
+@pytest.mark.parametrize("role,port", [("drafter", 50051), ("verifier", 50052)])
+def test_compose_service_config_is_what_the_cli_parses(compose, monkeypatch, role, port):
+    service = compose["services"][role]
+    env = service["environment"]
+    args = _parse(_service_argv(service), env, monkeypatch)
+    assert args.command == role
+    assert (args.host, args.port, args.device, args.metrics_port) == ("0.0.0.0", port, "cuda", 9100)
+    assert args.dtype == {"drafter": "float16", "verifier": "float32"}[role]
+    assert args.grace_s == 20.0 and args.max_draft_tokens == 16
+    # Every SPECDEC_* variable but the cache dir names a real flag of the service.
+    unknown = [k for k in env if k != "SPECDEC_CACHE" and not hasattr(args, k.removeprefix("SPECDEC_").lower())]
+    assert not unknown, f"{unknown} name no flag of `specdec {role}`"
+    # docker must not SIGKILL before the drain (SPECDEC_GRACE_S) is over.
+    assert float(service["stop_grace_period"].rstrip("s")) > args.grace_s
+    assert f"{port}:{port}" in service["ports"]
+
+
+@pytest.mark.parametrize("role,port", [("drafter", 50051), ("verifier", 50052)])
+def test_compose_healthcheck_is_a_grpc_health_check_of_the_service(compose, monkeypatch, role, port):
+    test = compose["services"][role]["healthcheck"]["test"]
+    assert test[:2] == ["CMD", "specdec"]
+    args = _parse(test[2:], {}, monkeypatch)
+    assert args.command == "health" and args.address == f"127.0.0.1:{port}"
+    assert compose["services"][role]["healthcheck"]["start_period"]  # first start converts the model
+
+
+@pytest.mark.parametrize("role,gpu", [("drafter", "${DRAFTER_GPU:-0}"), ("verifier", "${VERIFIER_GPU:-1}")])
+def test_compose_reserves_one_gpu_per_service(compose, role, gpu):
+    devices = compose["services"][role]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "device_ids": [gpu], "capabilities": ["gpu"]}]
+    assert compose["services"][role]["build"]["target"] == "cuda"
+
+
+def test_compose_mounts_the_model_cache_volume_at_specdec_cache(compose):
+    assert "model-cache" in compose["volumes"]
+    for name, service in compose["services"].items():
+        assert f"model-cache:{CACHE_DIR}" in service["volumes"], name
+        assert service["environment"]["SPECDEC_CACHE"] == CACHE_DIR, name
+
+
+def test_compose_loadgen_runs_bench_serve_against_the_service_names(compose, monkeypatch):
+    service = compose["services"]["loadgen"]
+    assert "deploy" not in service  # a client: no GPU
+    args = _parse(_service_argv(service), service["environment"], monkeypatch)
+    assert (args.command, args.bench_command) == ("bench", "serve")
+    assert (args.drafter, args.verifier) == ("drafter:50051", "verifier:50052")
+
+
+def test_cpu_override_drops_gpu_reservations_and_sets_device_cpu(compose_cpu, monkeypatch):
+    for role in ("drafter", "verifier"):
+        service = compose_cpu["services"][role]
+        assert "deploy" not in service
+        assert service["build"] == {"context": ".", "target": "cpu"} and service["image"] == "specdec:cpu"
+        args = _parse(_service_argv(service), service["environment"], monkeypatch)
+        assert args.device == "cpu"
+        assert service["healthcheck"]["test"] == _load("docker-compose.yml")["services"][role]["healthcheck"]["test"]
+    assert compose_cpu["services"]["loadgen"]["image"] == "specdec:cpu"
+
+
+def test_dockerfile_has_cpu_and_cuda_targets_with_the_specdec_entrypoint():
+    text = (ROOT / "Dockerfile").read_text()
+    stages = {name: base for base, name in re.findall(r"^FROM\s+(\S+)\s+AS\s+(\S+)", text, re.M | re.I)}
+    assert set(stages) == {"cpu", "cuda"}
+    assert stages["cpu"].startswith("python:") and "slim" in stages["cpu"]
+    cuda_base = re.search(r"^ARG CUDA_BASE=(\S+)", text, re.M).group(1)
+    assert stages["cuda"] == "${CUDA_BASE}" and re.fullmatch(r"pytorch/pytorch:[\w.]+-cuda[\w.-]+-runtime", cuda_base)
+    assert "pip install torch==2.13.0" in text
+    assert text.count('ENTRYPOINT ["specdec"]') == 2 and text.count("SPECDEC_CACHE=/models") == 2
+    assert ".venv" in (ROOT / ".dockerignore").read_text().split()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_compose_topology_as_local_processes_configured_by_environment():
+    """What compose does, with processes: flags come only from SPECDEC_* variables."""
+    from client.speculative import SpeculativeClient
+    from specdec.sampling import SamplingParams
+    from specdec_rpc import specdec_pb2 as pb
+    from specdec_rpc import specdec_pb2_grpc as pb_grpc
+
+    metrics_port = _free_port()
+    common = {"SPECDEC_MAX_DRAFT_TOKENS": "6", "SPECDEC_LOG_LEVEL": "WARNING", "SPECDEC_THREADS": "1",
+              "SPECDEC_GRACE_S": "3"}
+    verifier = start_service("verifier", env={**common, "SPECDEC_METRICS_PORT": str(metrics_port)})
+    drafter = None
+    try:
+        # Role-prefixed variables win over the shared ones (one environment, two services).
+        drafter = start_service("drafter", env={**common, "SPECDEC_DTYPE": "bfloat16",
+                                                "SPECDEC_DRAFTER_DTYPE": "float32"})
+        with grpc.insecure_channel(drafter.address) as ch:
+            info = pb_grpc.DrafterStub(ch).GetModelInfo(pb.ModelInfoRequest(), timeout=30)
+        assert (info.dtype, info.max_draft_tokens) == ("float32", 6)
+        health = subprocess.run([sys.executable, "-m", "specdec.cli", "health", "--address", verifier.address],
+                                capture_output=True, text=True, timeout=60)
+        assert (health.returncode, health.stdout.strip()) == (0, "SERVING"), health.stderr
+        with SpeculativeClient(verifier.address, drafter=drafter.address) as client:
+            params = SamplingParams(temperature=0.0, max_tokens=12)
+            spec = client.generate("The capital of France is", params, num_speculative_tokens=8)
+            base = client.generate("The capital of France is", params, target_only=True)
+        assert spec.token_ids == base.token_ids and spec.num_draft_tokens > 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+            assert b"specdec_forwards_total" in reply.read()
+    finally:
+        for svc in (drafter, verifier):
+            if svc is not None:
+                svc.stop()
+    assert not any("Traceback" in line for line in verifier.output), verifier.output[-20:]
+
+
+def test_bad_environment_value_is_refused_naming_the_variable(monkeypatch, capsys):
+    from specdec.cli import main
+
+    monkeypatch.setenv("SPECDEC_VERIFIER_DTYPE", "float8")
+    assert main(["verifier"]) == 2  # before any model is loaded
+    assert "$SPECDEC_VERIFIER_DTYPE='float8' is not one of float32, float16, bfloat16" in capsys.readouterr().err

@@ -1,0 +1,295 @@
+"""Faults on real processes: a drafter killed mid-generation, a verifier restarted
+mid-generation, and a fuzzer of malformed requests. The client's committed tokens are the
+source of truth, so greedy outputs must come out token-identical to target-only decoding."""
+
+from __future__ import annotations
+
+import collections
+import random
+import struct
+import threading
+import time
+
+import grpc
+import pytest
+
+from client.launcher import ServiceProcess, start_service
+from client.speculative import GenerationResult, SpeculativeClient
+from specdec.sampling import SamplingParams
+from specdec_rpc import specdec_pb2 as pb
+from specdec_rpc import specdec_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+ARGS = ["--max-draft-tokens", "8", "--log-level", "WARNING"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,",
+           "The three primary colors are", "import numpy as np\n", "Water boils at", "My favourite book is",
+           "The quick brown fox"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+
+def _port(svc: ServiceProcess) -> int:
+    return int(svc.address.rsplit(":", 1)[1])
+
+
+def _generate_concurrently(client: SpeculativeClient, prompts: list[str], progress: collections.Counter,
+                           gamma: int = 4) -> tuple[list[GenerationResult | Exception], list[threading.Thread]]:
+    """One thread per prompt, streaming; `progress[i]` counts the rounds prompt i has done."""
+    results: list[GenerationResult | Exception] = [RuntimeError("not run")] * len(prompts)
+
+    def run(i: int) -> None:
+        try:
+            for chunk in client.stream(prompts[i], GREEDY, num_speculative_tokens=gamma):
+                progress[i] += 1
+                if chunk.result is not None:
+                    results[i] = chunk.result
+        except Exception as exc:  # reported by the assertion on results
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
+def _wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_drafter_killed_during_8_generations_they_finish_target_only_and_speculation_resumes():
+    verifier = start_service("verifier", ARGS, threads=1)
+    drafter = start_service("drafter", ARGS, threads=1)
+    restarted = None
+    try:
+        with SpeculativeClient(verifier.address, drafter=drafter.address) as client:
+            expected = [client.generate(p, GREEDY, target_only=True).token_ids for p in PROMPTS]
+            progress: collections.Counter = collections.Counter()
+            results, threads = _generate_concurrently(client, PROMPTS, progress)
+            # Kill once every generation has committed a round, i.e. all are mid-generation.
+            _wait_for(lambda: len(progress) == len(PROMPTS), 120, "a first round of every generation")
+            drafter.kill()  # SIGKILL
+            for t in threads:
+                t.join(180)
+            assert all(isinstance(r, GenerationResult) for r in results), results
+            assert [r.token_ids for r in results] == expected
+            cut_off = [r for r in results if r.drafter_fallback_rounds > 0]
+            assert cut_off, "no generation was still running when the drafter died"
+            assert all(r.drafter_failures >= 1 for r in cut_off)
+            assert sum(r.num_draft_tokens for r in results) > 0  # they speculated before the kill
+            print(f"drafter kill: {len(cut_off)}/{len(results)} generations fell back; fallback rounds "
+                  f"{[r.drafter_fallback_rounds for r in results]}; tokens compared {sum(map(len, expected))}")
+
+            restarted = start_service("drafter", ARGS, port=_port(drafter), threads=1)
+            later = None
+            for _ in range(20):  # the client's channel reconnects within its 2 s backoff cap
+                later = client.generate(PROMPTS[0], GREEDY, num_speculative_tokens=4)
+                if later.num_draft_tokens > 0:
+                    break
+                time.sleep(0.5)
+            assert later.num_draft_tokens > 0 and later.num_accepted_tokens > 0
+            assert later.token_ids == expected[0]
+    finally:
+        for svc in (restarted, drafter, verifier):
+            if svc is not None:
+                svc.kill()
+
+
+def test_verifier_restarted_mid_generation_generations_complete_with_the_greedy_output():
+    verifier = start_service("verifier", ARGS, threads=1)
+    drafter = start_service("drafter", ARGS, threads=1)
+    restarted = None
+    prompts = PROMPTS[:4]
+    try:
+        with SpeculativeClient(verifier.address, drafter=drafter.address, recovery_timeout_s=240) as client:
+            expected = [client.generate(p, GREEDY, target_only=True).token_ids for p in prompts]
+            progress: collections.Counter = collections.Counter()
+            results, threads = _generate_concurrently(client, prompts, progress)
+            _wait_for(lambda: len(progress) == len(prompts), 120, "a first round of every generation")
+            verifier.kill()
+            restarted = start_service("verifier", ARGS, port=_port(verifier), threads=1)
+            for t in threads:
+                t.join(300)
+            assert all(isinstance(r, GenerationResult) for r in results), results
+            assert [r.token_ids for r in results] == expected
+            recovered = [r for r in results if r.verifier_recoveries > 0]
+            assert recovered, "no generation was still running when the verifier died"
+            assert all(r.num_draft_tokens > 0 for r in results)  # the drafter kept drafting throughout
+            print(f"verifier restart: recoveries {[r.verifier_recoveries for r in results]}; "
+                  f"tokens compared {sum(map(len, expected))}")
+    finally:
+        for svc in (restarted, drafter, verifier):
+            if svc is not None:
+                svc.kill()
+
+
+# ---- fuzzing -----------------------------------------------------------------------------
+
+EXPECTED_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE,
+                   grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED}
+VOCAB = 49152
+INT32 = (-2**31, -1, 0, 1, 2**31 - 1)
+
+
+class Fuzzer:
+    """Malformed Draft / Verify / CloseSession requests from a seeded generator. A few are
+    well-formed by chance (valid session, small lengths); they are answered OK."""
+
+    def __init__(self, seed: int, sessions: dict[str, list[str]]) -> None:
+        self.rng = random.Random(seed)
+        self.sessions = sessions  # role -> ids of sessions this fuzzer owns
+
+    def session_id(self, role: str) -> str:
+        r = self.rng.random()
+        if r < 0.45:
+            return self.rng.choice(self.sessions[role])
+        other = "verifier" if role == "drafter" else "drafter"
+        return self.rng.choice([
+            "", "x", self.rng.choice(self.sessions[other]), "\u00e9\u0000\ud7ff" * 3, "a" * 10_000,
+            self.rng.choice(self.sessions[role])[:-1] + "A", "".join(self.rng.choices("abcXYZ019-_", k=24)),
+        ])
+
+    def int_(self, small: int) -> int:
+        return self.rng.choice([self.rng.randint(-3, small), self.rng.randint(0, small), *INT32, 2**40, -2**40])
+
+    def ids(self, n_max: int = 24) -> list[int]:
+        r = self.rng.random()
+        if r < 0.1:
+            return []
+        if r < 0.15:
+            return [self.rng.randrange(VOCAB) for _ in range(self.rng.choice([3000, 9000]))]  # > max context
+        ids = [self.rng.randrange(VOCAB) for _ in range(self.rng.randint(1, n_max))]
+        if self.rng.random() < 0.4:
+            ids[self.rng.randrange(len(ids))] = self.rng.choice([-1, VOCAB, VOCAB + 7, *INT32])
+        return ids
+
+    def float_(self, typical: float) -> float:
+        return self.rng.choice([typical, 0.0, -1.0, 1e30, -1e-30, float("nan"), float("inf"), -float("inf"),
+                                self.rng.uniform(-3, 3)])
+
+    def sampling(self) -> pb.SamplingParams:
+        msg = pb.SamplingParams()
+        rng = self.rng
+        if rng.random() < 0.3:
+            return pb.SamplingParams(temperature=0.0)
+        for name, typical in (("temperature", 0.8), ("top_p", 0.9), ("min_p", 0.05), ("repetition_penalty", 1.1),
+                              ("presence_penalty", 0.5), ("frequency_penalty", 0.5), ("posterior_threshold", 0.09),
+                              ("posterior_alpha", 0.3)):
+            if rng.random() < 0.3:
+                setattr(msg, name, self.float_(typical))
+        for name in ("top_k", "min_tokens", "logprobs"):
+            if rng.random() < 0.2:
+                setattr(msg, name, rng.choice([*INT32, rng.randint(0, 100), 10**6]))
+        if rng.random() < 0.2:
+            msg.seed = rng.choice([0, 1, 2**64 - 1, rng.getrandbits(64)])
+        if rng.random() < 0.15:
+            msg.stop_token_ids.extend(self.ids(4))
+        if rng.random() < 0.15:
+            msg.acceptance_method = rng.choice([0, 1, 2, 3, 4, 99, -5])
+        if rng.random() < 0.1:
+            msg.ignore_eos = True
+        return msg
+
+    def proposal(self, k: int) -> pb.Proposal:
+        rng = self.rng
+        kind = rng.choice([pb.DENSE, pb.SPARSE_TOP_N, pb.IDS_ONLY, 0, 9, -3])
+        dtype = rng.choice([pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16, 0, 42])
+        width = rng.choice([VOCAB, 8, 64, 0, VOCAB + 1])
+        shape = rng.choice([[k, width], [k], [], [k + 1, width], [-1, width], [k, width, 2], [2**40, 2**40]])
+        itemsize = 4 if dtype in (pb.FLOAT32, 0, 42) else 2
+        n = max(0, k * width) if rng.random() < 0.6 else rng.randint(0, 5000)
+        n = min(n, 4 * VOCAB)
+        if rng.random() < 0.5:
+            probs = rng.randbytes(n * itemsize)
+        else:  # a plausible uniform distribution, right or wrong for the declared dtype and shape
+            probs = struct.pack(f"<{n}f", *([1.0 / max(1, width)] * n))
+        token_ids = rng.randbytes(rng.choice([0, 3, 12, min(n * 4, 200_000)]))
+        return pb.Proposal(kind=kind, dtype=dtype, shape=shape, probs=probs, token_ids=token_ids)
+
+    def request(self):
+        """(role, method name, request message)."""
+        rng = self.rng
+        r = rng.random()
+        if r < 0.05:
+            role = rng.choice(["drafter", "verifier"])
+            return role, "CloseSession", pb.CloseSessionRequest(session_id=self.session_id(role))
+        if r < 0.5:
+            fmt = pb.ProposalFormat(kind=rng.choice([0, 1, 2, 3, 7, -1]), dtype=rng.choice([0, 1, 2, 3, 9]),
+                                    top_n=rng.choice([0, 1, 64, -5, VOCAB, 2**31 - 1]))
+            return "drafter", "Draft", pb.DraftRequest(
+                session_id=self.session_id("drafter"), truncate_to=self.int_(24), append_token_ids=self.ids(),
+                num_draft_tokens=rng.choice([-1, 0, 1, 3, 8, 9, 1000, *INT32]), sampling=self.sampling(),
+                proposal_format=fmt, prompt_length=self.int_(24))
+        drafts = self.ids(12) if rng.random() < 0.7 else []
+        req = pb.VerifyRequest(session_id=self.session_id("verifier"), truncate_to=self.int_(24),
+                               append_token_ids=self.ids(), draft_token_ids=drafts, sampling=self.sampling(),
+                               prompt_length=self.int_(24))
+        if rng.random() < 0.7:
+            req.proposal.CopyFrom(self.proposal(len(drafts)))
+        return "verifier", "Verify", req
+
+
+def test_fuzzed_malformed_requests_get_expected_codes_and_do_not_disturb_a_generation():
+    """>= 1,000 malformed requests (fixed seeds) from two threads while a well-formed greedy
+    generation runs: every error is one of EXPECTED_ERRORS (never INTERNAL / UNKNOWN), the
+    servers stay up, and the generation is token-identical to the same one run alone."""
+    verifier = start_service("verifier", ARGS, threads=1)
+    drafter = start_service("drafter", ARGS, threads=1)
+    try:
+        channels = {"verifier": grpc.insecure_channel(verifier.address),
+                    "drafter": grpc.insecure_channel(drafter.address)}
+        stubs = {"verifier": pb_grpc.VerifierStub(channels["verifier"]),
+                 "drafter": pb_grpc.DrafterStub(channels["drafter"])}
+        with SpeculativeClient(verifier.address, drafter=drafter.address) as client:
+            params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+            alone = client.generate(PROMPTS[1], params, num_speculative_tokens=4)
+            concurrent: dict = {}
+
+            def well_formed() -> None:
+                concurrent["result"] = client.generate(PROMPTS[1], params, num_speculative_tokens=4)
+
+            codes: collections.Counter = collections.Counter()
+            unexpected: list[str] = []
+            lock = threading.Lock()
+
+            def fuzz(seed: int, n: int) -> None:
+                sessions = {role: [stubs[role].OpenSession(pb.OpenSessionRequest(), timeout=30).session_id
+                                   for _ in range(3)] for role in stubs}
+                fuzzer = Fuzzer(seed, sessions)
+                for i in range(n):
+                    role, method, req = fuzzer.request()
+                    try:
+                        getattr(stubs[role], method)(req, timeout=60)
+                        code = grpc.StatusCode.OK
+                    except grpc.RpcError as exc:
+                        code = exc.code()
+                        if code not in EXPECTED_ERRORS:
+                            with lock:
+                                unexpected.append(f"seed={seed} i={i} {role}.{method} {code.name} "
+                                                  f"{exc.details()!r} request={str(req)[:400]!r}")
+                    with lock:
+                        codes[code.name] += 1
+                    if method == "CloseSession" and code == grpc.StatusCode.OK:  # keep sessions to abuse
+                        sessions[role][sessions[role].index(req.session_id)] = stubs[role].OpenSession(
+                            pb.OpenSessionRequest(), timeout=30).session_id
+
+            gen = threading.Thread(target=well_formed)
+            fuzzers = [threading.Thread(target=fuzz, args=(seed, 520)) for seed in (1234, 5678)]
+            for t in [gen, *fuzzers]:
+                t.start()
+            for t in [gen, *fuzzers]:
+                t.join(600)
+        print(f"fuzz replies: {dict(codes)}")
+        assert sum(codes.values()) >= 1000
+        assert not unexpected, unexpected[:5]
+        assert verifier.proc.poll() is None and drafter.proc.poll() is None
+        for role, stub in stubs.items():  # still serving
+            assert stub.GetModelInfo(pb.ModelInfoRequest(), timeout=30).role == role
+        assert concurrent["result"].token_ids == alone.token_ids
+        for ch in channels.values():
+            ch.close()
+    finally:
+        verifier.kill()
+        drafter.kill()

@@ -1,0 +1,149 @@
+"""Operations on real service processes: gRPC health and reflection, Prometheus metrics,
+and the SIGTERM drain."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from prometheus_client.parser import text_string_to_metric_families
+
+from client.launcher import start_service
+from client.speculative import SpeculativeClient
+from specdec.sampling import SamplingParams
+from specdec_rpc import specdec_pb2 as pb
+from specdec_rpc import specdec_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.slow
+ARGS = ["--max-draft-tokens", "8", "--log-level", "WARNING"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def services():
+    ports = {"drafter": _free_port(), "verifier": _free_port()}
+    started = []
+    try:
+        for role in ("verifier", "drafter"):
+            started.append(start_service(role, ARGS + ["--metrics-port", str(ports[role])], threads=1))
+        yield {svc.role: (svc, ports[svc.role]) for svc in started}
+    finally:
+        for svc in started:
+            svc.stop()
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """{'name{label=value,...}': value} of every sample on /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
+
+
+@pytest.mark.parametrize("role", ["drafter", "verifier"])
+def test_health_is_serving_and_reflection_lists_the_services(services, role):
+    svc, _ = services[role]
+    name = f"specdec.v1.{role.capitalize()}"
+    with grpc.insecure_channel(svc.address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        for service in ("", name):
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        names = set(ProtoReflectionDescriptorDatabase(ch).get_services())
+    assert {name, "grpc.health.v1.Health"} <= names
+
+
+def test_health_cli_exits_zero_when_serving_and_one_when_down(services):
+    svc, _ = services["verifier"]
+    ok = subprocess.run([sys.executable, "-m", "specdec.cli", "health", "--address", svc.address],
+                        capture_output=True, text=True, timeout=60)
+    assert (ok.returncode, ok.stdout.strip()) == (0, "SERVING")
+    down = subprocess.run([sys.executable, "-m", "specdec.cli", "health", "--address", f"127.0.0.1:{_free_port()}",
+                           "--timeout-s", "2"], capture_output=True, text=True, timeout=60)
+    assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
+
+
+def test_metrics_count_a_generation_and_its_errors(services):
+    (verifier, v_port), (drafter, d_port) = services["verifier"], services["drafter"]
+    with SpeculativeClient(verifier.address, drafter=drafter.address) as client:
+        result = client.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=12),
+                                 num_speculative_tokens=4)
+        with pytest.raises(grpc.RpcError) as err:
+            client.verifier.CloseSession(pb.CloseSessionRequest(session_id="not-a-session"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert result.num_draft_tokens > 0
+    v, d = _scrape(v_port), _scrape(d_port)
+
+    svc = "grpc_service=specdec.v1.Verifier"
+    assert v[f"grpc_server_handled_total{{grpc_code=OK,grpc_method=Verify,{svc}}}"] >= result.num_rounds
+    assert v[f"grpc_server_handled_total{{grpc_code=NOT_FOUND,grpc_method=CloseSession,{svc}}}"] >= 1
+    assert v[f"grpc_server_handling_seconds_count{{grpc_method=Verify,{svc}}}"] >= result.num_rounds
+    assert v["specdec_draft_tokens_per_call_sum{grpc_method=Verify}"] >= result.num_draft_tokens
+    assert v["specdec_concurrent_calls_count{}"] >= result.num_rounds
+    assert v["specdec_engine_requests_total{role=verifier}"] >= result.num_rounds
+    assert v["specdec_forwards_total{role=verifier}"] >= result.num_rounds
+    assert v["specdec_accepted_tokens_total{role=verifier}"] >= result.num_accepted_tokens > 0
+    assert v["specdec_emitted_tokens_total{role=verifier}"] >= len(result.token_ids)
+    assert 0 < v["specdec_acceptance_rate{role=verifier}"] <= 1
+    for gauge in ("specdec_live_sessions", "specdec_kv_tokens", "specdec_kv_bytes"):
+        assert f"{gauge}{{role=verifier}}" in v and f"{gauge}{{role=drafter}}" in d
+    assert d["specdec_draft_tokens_total{role=drafter}"] >= result.num_draft_tokens
+    assert d["grpc_server_handled_total{grpc_code=OK,grpc_method=Draft,grpc_service=specdec.v1.Drafter}"] >= 1
+
+
+def test_sigterm_drains_finishes_the_call_in_flight_refuses_new_ones_and_exits_in_grace():
+    grace_s = 10.0
+    svc = start_service("verifier", ["--log-level", "INFO", "--grace-s", str(grace_s)], threads=1)
+    try:
+        with grpc.insecure_channel(svc.address) as ch:
+            stub = pb_grpc.VerifierStub(ch)
+            health = health_pb2_grpc.HealthStub(ch)
+            sid = stub.OpenSession(pb.OpenSessionRequest(), timeout=30).session_id
+            prompt = [(i * 7919) % 40000 + 100 for i in range(1800)]  # a long prefill: seconds on this CPU
+            long_call = stub.Verify.future(
+                pb.VerifyRequest(session_id=sid, append_token_ids=prompt, sampling=pb.SamplingParams(temperature=0)),
+                timeout=120,
+            )
+            time.sleep(0.5)  # let it reach the engine
+            assert not long_call.done(), "the prefill finished before SIGTERM; the test needs a longer one"
+            t0 = time.monotonic()
+            svc.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            # Draining: health says so, new calls are refused, the prefill is still running.
+            status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as err:
+                stub.OpenSession(pb.OpenSessionRequest(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.value.details()
+            assert not long_call.done()
+            reply = long_call.result()  # the round in flight completes
+            assert reply.kv_length == len(prompt) and len(reply.output_token_ids) == 1
+            with pytest.raises(grpc.RpcError) as err:
+                stub.OpenSession(pb.OpenSessionRequest(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        code = svc.proc.wait(timeout=grace_s + 5)
+        elapsed = time.monotonic() - t0
+        assert code == 0 and elapsed < grace_s, (code, elapsed)
+        assert any("drain role=verifier idle=True" in line for line in svc.output), svc.output[-10:]
+    finally:
+        svc.kill()
