@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from specdec.errors import InvalidArgument
+from specdec.sampling import sample_inverse_cdf
 
 DENSE, SPARSE, IDS_ONLY = "dense", "sparse", "ids"
 _WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -75,7 +76,7 @@ def _from_bytes(data: bytes, dtype: str, shape: tuple[int, ...], field: str) -> 
 class ProposalBuilder:
     """Turns the drafter's processed distribution at each position into (token, wire row).
 
-    Usage per draft position: `token = builder.sample(probs, exp_noise)`, then `builder.build()`.
+    Usage per draft position: `token = builder.sample(probs, u, argmax)`, then `builder.build()`.
     """
 
     def __init__(self, fmt: ProposalFormat, vocab_size: int) -> None:
@@ -85,19 +86,20 @@ class ProposalBuilder:
         self._ids: list[torch.Tensor] = []
         self._tokens: list[int] = []
 
-    def sample(self, probs: torch.Tensor | None, exp_noise: torch.Tensor | None, argmax: int) -> int:
-        """probs: [V] processed q (None for greedy); exp_noise: [V] Exp(1); argmax: the logits' argmax."""
+    def sample(self, probs: torch.Tensor | None, u: float | torch.Tensor | None, argmax: int) -> int:
+        """probs: [V] processed q (None for greedy); u: a uniform in [0, 1) that picks the
+        token by inverse CDF of the row as sent; argmax: the processed distribution's argmax."""
         if self.fmt.kind == IDS_ONLY or probs is None:
             token = argmax  # a deterministic proposal is exactly a one-hot q
         elif self.fmt.kind == DENSE:
             row = probs.to(_WIRE_DTYPES[self.fmt.dtype])
-            token = int(torch.argmax(row.float() / exp_noise))
+            token = int(sample_inverse_cdf(row.float(), torch.as_tensor(u, dtype=torch.float64)))
             self._rows.append(row)
         else:
             n = min(self.fmt.top_n, probs.shape[-1])
             top_probs, top_ids = torch.topk(probs, n)
             row = (top_probs / top_probs.sum()).to(_WIRE_DTYPES[self.fmt.dtype])
-            token = int(top_ids[torch.argmax(row.float() / exp_noise[top_ids])])
+            token = int(top_ids[sample_inverse_cdf(row.float(), torch.as_tensor(u, dtype=torch.float64))])
             self._rows.append(row)
             self._ids.append(top_ids.to(torch.int32))
         self._tokens.append(token)

@@ -4,13 +4,16 @@ Drafter and verifier process logits with the same function, so the proposal q an
 target p are distributions of the same kind: losslessness is with respect to the
 target's *processed* distribution.
 
-Randomness scheme (reproducible, independent of batch composition): every random draw
-for a request is made from a `torch.Generator` seeded with
-`mix64(seed, stream, position)`, where `position` is the absolute index of the token
-being decided in the session's sequence and `stream` separates the drafter's draws from
-the verifier's. A position is decided exactly once by the verifier (later rounds start
-after it), so no draw is reused; the drafter may re-draft a position after a rejection,
-but the earlier draft at that position never influenced any emitted token.
+Randomness scheme (reproducible, independent of batch composition and device): every
+random draw of a request is a counter-based uniform `hash(seed, stream, position, slot)`
+(`counter_uniforms`, splitmix64 over int64 tensors), where `position` is the absolute
+index of the token being decided in the session's sequence, `stream` separates the
+drafter's draws from the verifier's, and `slot` 0 / 1 is the acceptance draw / the
+inverse-CDF draw that picks a token. A position is decided exactly once by the verifier
+(later rounds start after it), so no draw is reused; the drafter may re-draft a position
+after a rejection, but the earlier draft at that position never influenced any emitted
+token. Two uniforms per position replace V exponentials per position (the previous
+exponential race), so a batch's draws cost a few integer ops and no host sync.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import dataclasses
 import math
 import secrets
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -29,13 +33,23 @@ STREAM_VERIFY = 2
 _MASK64 = (1 << 64) - 1
 
 
+REJECTION, GREEDY, TYPICAL = "rejection", "greedy", "typical"
+ACCEPTANCE_METHODS = (REJECTION, GREEDY, TYPICAL)
+MAX_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling parameters with vLLM's names and defaults.
+    """Per-request sampling parameters with vLLM's names, defaults and meanings.
 
-    temperature 0 selects greedy decoding; top_k 0 and top_p 1 disable those filters.
-    max_tokens / stop / stop_token_ids / ignore_eos are enforced by the client;
-    temperature / top_k / top_p / min_p / seed travel to both services.
+    temperature 0 selects greedy decoding; top_k 0 and top_p 1 disable those filters. max_tokens / stop / include_stop_str_in_output are enforced by the client;
+    the others travel to both services, which apply the same processors (`process_logits`).
+
+    acceptance_method: "rejection" (default; lossless speculative sampling), "greedy"
+    (argmax matching; requires temperature 0, which selects it anyway), or "typical"
+    (vLLM's TypicalAcceptanceSampler, Medusa §3.3.1: accept a draft x when
+    p(x) > min(posterior_threshold, posterior_alpha * exp(-H(p))); NOT lossless: it trades
+    exactness for acceptance).
     """
 
     temperature: float = 1.0
@@ -44,9 +58,17 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     max_tokens: int = 16
+    min_tokens: int = 0
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    acceptance_method: str = REJECTION
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the dataclass hashable and immutable.
@@ -58,30 +80,124 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     def validate(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidArgument("temperature", f"must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        def finite(name: str) -> float:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise InvalidArgument(name, f"must be a finite number, got {value!r}")
+            return value
+
+        if finite("temperature") < 0:
+            raise InvalidArgument("temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
             raise InvalidArgument("top_k", f"must be >= 0 (0 disables top-k), got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
+        if not (0.0 < finite("top_p") <= 1.0):
             raise InvalidArgument("top_p", f"must be in (0, 1] (1 disables top-p), got {self.top_p}")
-        if not (0.0 <= self.min_p <= 1.0):
+        if not (0.0 <= finite("min_p") <= 1.0):
             raise InvalidArgument("min_p", f"must be in [0, 1] (0 disables min-p), got {self.min_p}")
         if self.seed is not None and not (0 <= self.seed <= _MASK64):
             raise InvalidArgument("seed", f"must be an unsigned 64-bit integer, got {self.seed}")
         if self.max_tokens < 1:
             raise InvalidArgument("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidArgument("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if any(not s for s in self.stop):
             raise InvalidArgument("stop", "stop strings must be non-empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidArgument("stop_token_ids", "token ids must be >= 0")
+        if finite("repetition_penalty") <= 0:
+            raise InvalidArgument("repetition_penalty", f"must be > 0 (1 disables it), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= finite(name) <= 2.0:
+                raise InvalidArgument(name, f"must be in [-2, 2] (0 disables it), got {getattr(self, name)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.acceptance_method not in ACCEPTANCE_METHODS:
+            raise InvalidArgument(
+                "acceptance_method", f"must be one of {', '.join(ACCEPTANCE_METHODS)}, got {self.acceptance_method!r}"
+            )
+        if self.acceptance_method == GREEDY and not self.greedy:
+            raise InvalidArgument("acceptance_method", "greedy matching needs temperature 0")
+        if not 0.0 <= finite("posterior_threshold") <= 1.0:
+            raise InvalidArgument("posterior_threshold", f"must be in [0, 1], got {self.posterior_threshold}")
+        if finite("posterior_alpha") < 0.0:
+            raise InvalidArgument("posterior_alpha", f"must be >= 0, got {self.posterior_alpha}")
+
+    @property
+    def method(self) -> str:
+        """The acceptance rule the verifier applies (temperature 0 always matches greedily)."""
+        return GREEDY if self.greedy else self.acceptance_method
 
     def replace(self, **changes) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
 
 
+@dataclass(frozen=True)
+class TokenContext:
+    """What the position-dependent processors (penalties, min_tokens) need for one request.
+
+    `prefix` is the sequence before the first scored position (prompt + outputs so far);
+    position i of a block of N scored positions also sees `block[:i]` (the drafts before it).
+    """
+
+    prefix: Sequence[int]
+    prompt_length: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def apply_penalties_and_min_tokens(
+    logits: torch.Tensor,  # [N, V] float32, raw logits of N consecutive positions
+    params: SamplingParams,
+    ctx: TokenContext,
+    block: Sequence[int],  # tokens at positions 0..N-2 of the block (the drafts), len >= N - 1
+) -> torch.Tensor:
+    """vLLM's non-argmax-invariant processors: min_tokens mask, then repetition /
+    frequency / presence penalties, each position using exactly the tokens before it."""
+    n, vocab = logits.shape
+    first = len(ctx.prefix)  # absolute position of row 0
+    if params.min_tokens:
+        banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(ctx.eos_token_ids))
+        banned = [t for t in banned if 0 <= t < vocab]
+        # Row i decides output number (first + i - prompt_length); mask while it is < min_tokens.
+        rows = [i for i in range(n) if first + i - ctx.prompt_length < params.min_tokens]
+        if rows and banned:
+            logits = logits.clone()
+            logits[torch.tensor(rows)[:, None], torch.tensor(banned)[None, :]] = -math.inf
+    if not params.has_penalties:
+        return logits
+    device = logits.device
+    prompt = torch.as_tensor(list(ctx.prefix[: ctx.prompt_length]), dtype=torch.long, device=device)
+    seen_output = list(ctx.prefix[ctx.prompt_length :])
+    later = torch.as_tensor(list(block[: n - 1]), dtype=torch.long, device=device)
+    # output_counts[i] = counts of output tokens before row i: [N, V]
+    base = torch.zeros(vocab, dtype=torch.float32, device=device)
+    if seen_output:
+        base.index_add_(0, torch.as_tensor(seen_output, device=device), torch.ones(len(seen_output), device=device))
+    steps = torch.zeros(n, vocab, dtype=torch.float32, device=device)
+    if n > 1:
+        steps[1:].scatter_(1, later[:, None], 1.0)
+    output_counts = base[None, :] + steps.cumsum(dim=0)
+    output_mask = output_counts > 0
+    logits = logits.clone()
+    if params.repetition_penalty != 1.0:
+        seen = output_mask.clone()
+        if prompt.numel():
+            seen[:, prompt] = True
+        penalized = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
+    if params.frequency_penalty:
+        logits -= params.frequency_penalty * output_counts
+    if params.presence_penalty:
+        logits -= params.presence_penalty * output_mask.float()
+    return logits
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Processed sampling distribution for one request.
+    """Processed sampling distribution for one request (after penalties / min_tokens).
 
     logits: [N, V] (any float dtype) -> probs: [N, V] float32, rows sum to 1.
     Order as in vLLM v1: temperature, min-p, top-k, top-p. Not for greedy requests.
@@ -107,6 +223,45 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
+def process_logits(
+    logits: torch.Tensor,  # [N, V] raw logits of N consecutive positions of one request
+    params: SamplingParams,
+    ctx: TokenContext | None = None,
+    block: Sequence[int] = (),
+) -> torch.Tensor:
+    """The full processor chain both services share -> [N, V] float32.
+
+    Random requests get the processed probabilities p. Greedy requests get
+    softmax(penalized logits), whose argmax is the greedy token and whose log is what
+    `logprobs` reports for them (temperature 0 has no distribution of its own).
+    """
+    logits = logits.float()
+    if ctx is not None:
+        logits = apply_penalties_and_min_tokens(logits, params, ctx, block)
+    if params.greedy:
+        return torch.softmax(logits, dim=-1)
+    return logits_to_probs(logits, params)
+
+
+def top_logprobs(
+    probs: torch.Tensor,  # [N, V] processed distribution at each emitted position
+    token_ids: Sequence[int],  # [N] the emitted tokens
+    num: int,
+) -> list[tuple[float, int, list[int], list[float]]]:
+    """(logprob, rank, top ids, top logprobs) of each emitted token; rank 1 = most likely."""
+    logp = torch.log(probs)  # log 0 = -inf for filtered tokens, as vLLM's processed logprobs
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=probs.device)
+    chosen = logp.gather(1, ids[:, None])[:, 0]
+    ranks = (logp > chosen[:, None]).sum(dim=1) + 1
+    top = torch.topk(logp, num, dim=-1) if num else None
+    out = []
+    for i in range(len(ids)):
+        top_ids = top.indices[i].tolist() if top is not None else []
+        top_lp = top.values[i].tolist() if top is not None else []
+        out.append((float(chosen[i]), int(ranks[i]), top_ids, top_lp))
+    return out
+
+
 def mix64(*values: int) -> int:
     """splitmix64-style hash of a tuple of integers into one 63-bit seed."""
     h = 0x9E3779B97F4A7C15
@@ -119,33 +274,73 @@ def mix64(*values: int) -> int:
     return h >> 1  # torch.Generator.manual_seed takes a signed 64-bit value
 
 
+def _signed64(value: int) -> int:
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _signed64(0x9E3779B97F4A7C15)
+_MUL1 = _signed64(0xBF58476D1CE4E5B9)
+_MUL2 = _signed64(0x94D049BB133111EB)
+
+
+def _srl(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (x >> shift) & ((1 << (64 - shift)) - 1)
+
+
+def _mix_tensor(h: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One step of `mix64` on int64 tensors; multiplication wraps modulo 2^64 like uint64."""
+    h = (h ^ v) + _GOLDEN
+    h = (h ^ _srl(h, 30)) * _MUL1
+    h = (h ^ _srl(h, 27)) * _MUL2
+    return h ^ _srl(h, 31)
+
+
+def counter_uniforms(
+    seeds: torch.Tensor,  # [B] int64 (uint64 bit patterns)
+    stream: int,
+    positions: torch.Tensor,  # [B, P] int64, absolute positions
+    slots: int = 2,
+) -> torch.Tensor:
+    """Counter-based uniforms in [0, 1): [B, P, slots] float64, 53 random bits each.
+
+    u[b, i, s] = hash(seed_b, stream, position_bi, s): a pure function of its counter, so
+    a request's draws do not depend on its batch mates or on the device, and the whole
+    batch is drawn in a few vectorized integer ops with no host sync (the Philox-style
+    counter scheme FlashInfer's kernels use). Slot 0 is the acceptance draw, slot 1 the
+    draw that picks a token by inverse CDF.
+    """
+    h = _mix_tensor(torch.zeros_like(seeds), seeds)[:, None, None]
+    h = _mix_tensor(h, torch.full_like(h, stream))
+    h = _mix_tensor(h, positions[..., None])
+    h = _mix_tensor(h, torch.arange(slots, device=seeds.device, dtype=torch.int64)[None, None, :])
+    return _srl(h, 11).double() * (1.0 / (1 << 53))
+
+
+def position_uniforms(seed: int, stream: int, positions: list[int]) -> torch.Tensor:
+    """[len(positions), 2] float64 draws of one request (see `counter_uniforms`)."""
+    seeds = torch.tensor([_signed64(seed)], dtype=torch.int64)
+    return counter_uniforms(seeds, stream, torch.tensor([positions], dtype=torch.int64).reshape(1, -1))[0]
+
+
+def sample_inverse_cdf(
+    dist: torch.Tensor,  # [..., V] >= 0, rows need not be normalized
+    u: torch.Tensor,  # [...] float64 in [0, 1)
+) -> torch.Tensor:
+    """Token with P(i) = dist[i] / sum(dist): the first i with cdf[i] > u * cdf[-1] -> [...] int64.
+
+    The cumulative sum is float64, so rounding shifts no token's mass by more than ~1e-16
+    of the total; a token with zero mass can never be returned (cdf is flat there).
+    """
+    cdf = torch.cumsum(dist, dim=-1, dtype=torch.float64)
+    total = cdf[..., -1]
+    # Strictly below the total (u * total can round up to it), so cdf[idx] > x >= cdf[idx - 1]:
+    # the token found always has mass.
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x[..., None], right=True)[..., 0]
+
+
 def random_seed() -> int:
     """Seed for a request that did not give one (fresh per session)."""
     return secrets.randbits(63)
-
-
-def position_noise(
-    seed: int, stream: int, positions: list[int], vocab_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draws for the given absolute positions, each from its own generator.
-
-    Returns uniform: [len(positions)] in [0, 1) and exp_noise: [len(positions), vocab_size]
-    Exp(1) samples (clamped away from 0). `argmax(probs / exp_noise)` samples from
-    normalize(probs) (the exponential race, as in gpt-fast), so unnormalized residuals
-    need no division and no host sync.
-    """
-    uniform = torch.empty(len(positions))
-    exp_noise = torch.empty(len(positions), vocab_size)
-    for i, pos in enumerate(positions):
-        gen = torch.Generator().manual_seed(mix64(seed, stream, pos))
-        uniform[i : i + 1].uniform_(generator=gen)
-        exp_noise[i].exponential_(generator=gen)
-    return uniform, exp_noise.clamp_min_(torch.finfo(torch.float32).tiny)
-
-
-def sample_with_noise(probs: torch.Tensor, exp_noise: torch.Tensor) -> torch.Tensor:
-    """Categorical sample of each row of (possibly unnormalized) probs.
-
-    probs: [..., V] >= 0; exp_noise: [..., V] Exp(1) -> ids: [...] int64.
-    """
-    return torch.argmax(probs / exp_noise, dim=-1)

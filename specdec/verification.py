@@ -5,6 +5,12 @@ a batch of B requests, each with up to K draft tokens (ragged via `num_draft`), 
 target's distribution at K + 1 positions (the K drafts and the bonus position). Output
 rows are padded with -1 (`PLACEHOLDER_TOKEN_ID`) after the last emitted token.
 
+Three acceptance rules, selectable per request and mixed freely in one batch
+(`speculative_sample`): exact rejection sampling (default), greedy matching
+(temperature 0), and vLLM's typical acceptance (not lossless). `speculative_sample_ragged`
+takes vLLM's flat layout: draft tokens of all requests concatenated, with cumulative
+counts, and each request's K_i + 1 target rows back to back.
+
 Exactness (Leviathan et al. 2023, Chen et al. 2023): draft token x at position j is
 accepted with probability min(1, p_j(x) / q_j(x)), computed as `u * q < p` (no division,
 no epsilon); on the first rejection a token is drawn from normalize((p_j - q_j)+); when
@@ -20,9 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling import sample_with_noise
+from specdec.sampling import GREEDY, REJECTION, TYPICAL, sample_inverse_cdf
 
 PLACEHOLDER_TOKEN_ID = -1
+# vLLM's epsilon inside log(p + eps) for the posterior entropy of typical acceptance.
+_TYPICAL_ENTROPY_EPS = 1e-5
 
 
 @dataclass(frozen=True)
@@ -42,19 +50,16 @@ def _accepted_prefix(accept: torch.Tensor, num_draft: torch.Tensor) -> torch.Ten
     return torch.cumprod((accept & in_range).long(), dim=1).sum(dim=1)
 
 
-def _emit(
-    draft_token_ids: torch.Tensor, final_token_ids: torch.Tensor, num_accepted: torch.Tensor
-) -> VerifyOutput:
-    """Accepted drafts, then final_token_ids[num_accepted], then -1 padding.
+def _emit(draft_token_ids: torch.Tensor, final_token: torch.Tensor, num_accepted: torch.Tensor) -> VerifyOutput:
+    """Accepted drafts, then the final (recovered or bonus) token, then -1 padding.
 
-    draft_token_ids: [B, K]; final_token_ids: [B, K + 1] (token emitted if the chain stops there).
+    draft_token_ids: [B, K]; final_token: [B]; num_accepted: [B] -> output rows [B, K + 1].
     """
-    b, k1 = final_token_ids.shape
-    cols = torch.arange(k1, device=final_token_ids.device)[None, :]
+    b, k = draft_token_ids.shape
+    cols = torch.arange(k + 1, device=draft_token_ids.device)[None, :]
     drafts = torch.cat([draft_token_ids, draft_token_ids.new_full((b, 1), PLACEHOLDER_TOKEN_ID)], dim=1)
-    last = final_token_ids.gather(1, num_accepted[:, None])
     out = torch.where(cols < num_accepted[:, None], drafts, PLACEHOLDER_TOKEN_ID)
-    out = torch.where(cols == num_accepted[:, None], last, out)
+    out = torch.where(cols == num_accepted[:, None], final_token[:, None], out)
     return VerifyOutput(output_token_ids=out, num_accepted=num_accepted, num_emitted=num_accepted + 1)
 
 
@@ -65,8 +70,111 @@ def greedy_verify(
 ) -> VerifyOutput:
     """Greedy matching: accept drafts while they equal the target's argmax."""
     k = draft_token_ids.shape[1]
-    accept = draft_token_ids == target_argmax[:, :k]
-    return _emit(draft_token_ids, target_argmax, _accepted_prefix(accept, num_draft))
+    n = _accepted_prefix(draft_token_ids == target_argmax[:, :k], num_draft)
+    return _emit(draft_token_ids, target_argmax.gather(1, n[:, None])[:, 0], n)
+
+
+def _rejection_accept(
+    target_probs: torch.Tensor,  # [B, K + 1, V]
+    draft_token_ids: torch.Tensor,  # [B, K]
+    draft_probs: torch.Tensor | None,  # [B, K, V] or None (one-hot q)
+    draws: torch.Tensor,  # [B, K + 1, 2]
+) -> torch.Tensor:
+    """Accept draft x_j iff u_j * q_j(x_j) < p_j(x_j) (no division, no epsilon) -> [B, K] bool."""
+    k = draft_token_ids.shape[1]
+    ids = draft_token_ids.clamp_min(0)[..., None]  # [B, K, 1]
+    p_draft = target_probs[:, :k].gather(2, ids)[..., 0]  # [B, K]
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    else:
+        # q rows need not be normalized: a drafter sampling by inverse CDF samples normalize(q).
+        q_draft = draft_probs.gather(2, ids)[..., 0] / draft_probs.sum(dim=-1)
+    return draws[:, :k, 0] * q_draft < p_draft
+
+
+def _typical_accept(
+    target_probs: torch.Tensor,  # [B, K + 1, V]
+    draft_token_ids: torch.Tensor,  # [B, K]
+    posterior_threshold: torch.Tensor,  # [B]
+    posterior_alpha: torch.Tensor,  # [B]
+) -> torch.Tensor:
+    """vLLM's TypicalAcceptanceSampler: accept x_j iff
+    p_j(x_j) > min(posterior_threshold, posterior_alpha * exp(-H(p_j))), with
+    H(p) = -sum p log(p + 1e-5) -> [B, K] bool."""
+    k = draft_token_ids.shape[1]
+    p = target_probs[:, :k]
+    p_draft = p.gather(2, draft_token_ids.clamp_min(0)[..., None])[..., 0]  # [B, K]
+    entropy = -(p * torch.log(p + _TYPICAL_ENTROPY_EPS)).sum(dim=-1)  # [B, K]
+    threshold = torch.minimum(posterior_threshold[:, None].expand_as(entropy),
+                              posterior_alpha[:, None] * torch.exp(-entropy))
+    return p_draft > threshold
+
+
+def speculative_sample(
+    target_probs: torch.Tensor,  # [B, K + 1, V] float32; greedy rows may hold any distribution with the right argmax
+    draft_token_ids: torch.Tensor,  # [B, K] int64, -1 past num_draft
+    draft_probs: torch.Tensor | None,  # [B, K, V] proposal q (one-hot rows for ids-only requests), or None: all one-hot
+    num_draft: torch.Tensor,  # [B] int64
+    draws: torch.Tensor | None,  # [B, K + 1, 2] float64 uniforms (acceptance, token pick); None if all greedy
+    methods: list[str],  # [B] "rejection" | "greedy" | "typical"
+    posterior_threshold: torch.Tensor | None = None,  # [B], typical rows only
+    posterior_alpha: torch.Tensor | None = None,  # [B], typical rows only
+) -> VerifyOutput:
+    """One batch, each request verified by its own rule, without a host sync.
+
+    The accept tests of every rule in use are computed over [B, K] and merged per row with
+    `torch.where` (greedy and random requests share the call, as in vLLM's rejection
+    sampler); rules no row uses are not computed. Then each request draws exactly one
+    token, at its stop position n = num_accepted:
+      rejection: normalize((p_n - q_n)+) if a draft was rejected, p_n for the bonus;
+      greedy:    argmax p_n;
+      typical:   argmax p_n if a draft was rejected, a sample of p_n for the bonus.
+    So the V-wide work (residual, cumulative sum) is done once per request, not K + 1 times.
+    """
+    device = target_probs.device
+    b, k = draft_token_ids.shape
+    if len(methods) != b:
+        raise ValueError(f"methods has {len(methods)} entries for a batch of {b}")
+    present = set(methods) | ({GREEDY} if not methods else set())
+    if present - {GREEDY, REJECTION, TYPICAL}:
+        raise ValueError(f"unknown acceptance method(s) {sorted(present - {GREEDY, REJECTION, TYPICAL})}")
+    if present - {GREEDY} and draws is None:
+        raise ValueError("random rows need draws")
+    is_rejection = torch.tensor([m == REJECTION for m in methods], dtype=torch.bool, device=device)  # [B]
+    is_typical = torch.tensor([m == TYPICAL for m in methods], dtype=torch.bool, device=device)
+
+    accept = draft_token_ids == target_probs[:, :k].argmax(dim=-1) if GREEDY in present else \
+        torch.zeros(b, k, dtype=torch.bool, device=device)  # [B, K]
+    if REJECTION in present:
+        accept = torch.where(is_rejection[:, None], _rejection_accept(target_probs, draft_token_ids, draft_probs, draws),
+                             accept)
+    if TYPICAL in present:
+        if posterior_threshold is None or posterior_alpha is None:
+            raise ValueError("typical rows need posterior_threshold and posterior_alpha")
+        accept = torch.where(is_typical[:, None], _typical_accept(target_probs, draft_token_ids,
+                                                                  posterior_threshold.to(device),
+                                                                  posterior_alpha.to(device)), accept)
+    n = _accepted_prefix(accept, num_draft)  # [B]
+    rows = torch.arange(b, device=device)
+    p_stop = target_probs[rows, n]  # [B, V]
+    rejected = n < num_draft  # [B]: stopped at a rejected draft (else: the bonus position)
+    final = p_stop.argmax(dim=-1)  # greedy rows, and typical rows at a rejection
+    if present - {GREEDY}:
+        dist = p_stop
+        if REJECTION in present and k:
+            j = n.clamp_max(k - 1)
+            if draft_probs is None:  # (p - onehot(x))+ is p with x removed
+                residual = p_stop.scatter(1, draft_token_ids[rows, j].clamp_min(0)[:, None], 0.0)
+            else:
+                q_stop = draft_probs[rows, j]
+                residual = (p_stop - q_stop / q_stop.sum(dim=-1, keepdim=True)).clamp_min_(0.0)
+            # An all-zero residual means p == q there, where rejection has probability 0.
+            residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_stop)
+            dist = torch.where((is_rejection & rejected)[:, None], residual, p_stop)
+        sampled = sample_inverse_cdf(dist, draws[rows, n, 1])  # [B]
+        use_sample = is_rejection | (is_typical & ~rejected)
+        final = torch.where(use_sample, sampled, final)
+    return _emit(draft_token_ids, final, n)
 
 
 def rejection_sample(
@@ -74,42 +182,77 @@ def rejection_sample(
     draft_token_ids: torch.Tensor,  # [B, K] int64, -1 past num_draft
     draft_probs: torch.Tensor | None,  # [B, K, V] float32 proposal q, or None for one-hot q (ids-only)
     num_draft: torch.Tensor,  # [B] int64, 0 <= num_draft <= K
-    uniform: torch.Tensor,  # [B, K] float32 in [0, 1), the acceptance draws
-    exp_noise: torch.Tensor,  # [B, K + 1, V] float32 Exp(1), the recovery / bonus draws
+    draws: torch.Tensor,  # [B, K + 1, 2] float64 uniforms in [0, 1): acceptance, token pick
 ) -> VerifyOutput:
     """Exact speculative sampling over a ragged batch; see the module docstring.
 
-    q rows need not be normalized: they are normalized here, which is the distribution a
-    drafter sampling with `argmax(q / Exp(1))` actually sampled from.
-
     Example:
         >>> V = 4; p = torch.full((1, 2, V), 0.25); q = torch.tensor([[[1.0, 0, 0, 0]]])
-        >>> out = rejection_sample(p, torch.tensor([[0]]), q, torch.tensor([1]),
-        ...                        torch.tensor([[0.1]]), torch.ones(1, 2, V))
-        >>> out.num_accepted.tolist(), out.num_emitted.tolist()
-        ([1], [2])
+        >>> draws = torch.tensor([[[0.1, 0.0], [0.0, 0.6]]], dtype=torch.float64)
+        >>> out = rejection_sample(p, torch.tensor([[0]]), q, torch.tensor([1]), draws)
+        >>> out.output_token_ids.tolist(), out.num_accepted.tolist(), out.num_emitted.tolist()
+        ([[0, 2]], [1], [2])
     """
-    b, k = draft_token_ids.shape
-    positions = torch.arange(k, device=target_probs.device)[None, :]
-    safe_ids = draft_token_ids.clamp_min(0)[..., None]  # [B, K, 1]
-    p_draft = target_probs[:, :k].gather(2, safe_ids)[..., 0]  # [B, K]
-    if draft_probs is None:
-        q_draft = torch.ones_like(p_draft)
-        # (p - onehot(x))+ is p with x removed.
-        residual = target_probs[:, :k].scatter(2, safe_ids, 0.0)
-    else:
-        q = draft_probs / draft_probs.sum(dim=-1, keepdim=True)
-        q_draft = q.gather(2, safe_ids)[..., 0]
-        residual = (target_probs[:, :k] - q).clamp_min_(0.0)
-    accept = uniform * q_draft < p_draft
-    num_accepted = _accepted_prefix(accept, num_draft)
+    return speculative_sample(target_probs, draft_token_ids, draft_probs, num_draft, draws,
+                              [REJECTION] * draft_token_ids.shape[0])
 
-    # Distribution each position would emit from if the chain stopped there:
-    # the residual at a rejected draft position, p itself at the bonus position (index num_draft).
-    # A residual that is all zero means p == q there, where rejection has probability 0;
-    # falling back to p keeps the unused row well defined.
-    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, target_probs[:, :k])
-    is_bonus = (positions == num_draft[:, None])[..., None]  # [B, K, 1]
-    stop_dist = torch.cat([torch.where(is_bonus, target_probs[:, :k], residual), target_probs[:, k:]], dim=1)
-    final_token_ids = sample_with_noise(stop_dist, exp_noise)  # [B, K + 1]
-    return _emit(draft_token_ids, final_token_ids, num_accepted)
+
+def typical_acceptance_sample(
+    target_probs: torch.Tensor,  # [B, K + 1, V] float32
+    draft_token_ids: torch.Tensor,  # [B, K] int64, -1 past num_draft
+    num_draft: torch.Tensor,  # [B] int64
+    draws: torch.Tensor,  # [B, K + 1, 2] float64 uniforms; only the bonus pick is random
+    posterior_threshold: float | torch.Tensor = 0.09,  # scalar or [B]
+    posterior_alpha: float | torch.Tensor = 0.3,  # scalar or [B]
+) -> VerifyOutput:
+    """Typical acceptance (Medusa §3.3.1, as vLLM defines it). NOT lossless: outputs are
+    biased towards likely tokens; see `_typical_accept` for the rule."""
+    b = draft_token_ids.shape[0]
+    thr = torch.as_tensor(posterior_threshold, dtype=torch.float32, device=target_probs.device).expand(b)
+    alpha = torch.as_tensor(posterior_alpha, dtype=torch.float32, device=target_probs.device).expand(b)
+    return speculative_sample(target_probs, draft_token_ids, None, num_draft, draws, [TYPICAL] * b, thr, alpha)
+
+
+def speculative_sample_ragged(
+    target_probs: torch.Tensor,  # [T + B, V]: request b's K_b draft positions, then its bonus position
+    draft_token_ids: torch.Tensor,  # [T] int64, all requests' drafts back to back
+    cu_num_draft_tokens: torch.Tensor,  # [B] int64, cumulative draft counts (vLLM's layout)
+    draft_probs: torch.Tensor | None,  # [T, V] or None (all one-hot)
+    draws: torch.Tensor | None,  # [T + B, 2] float64 uniforms, laid out like target_probs
+    methods: list[str],  # [B]
+    posterior_threshold: torch.Tensor | None = None,  # [B]
+    posterior_alpha: torch.Tensor | None = None,  # [B]
+) -> VerifyOutput:
+    """`speculative_sample` over vLLM / FlashInfer's flat ragged layout.
+
+    Returns output_token_ids [B, max_K + 1] padded with -1 after each row's emitted tokens,
+    num_accepted [B] (accepted drafts) and num_emitted [B] (= num_accepted + 1).
+
+    Example (two requests with 2 and 0 drafts, greedy):
+        >>> p = torch.eye(4)[[1, 2, 3, 0]]  # argmax rows: 1, 2, 3 | 0
+        >>> out = speculative_sample_ragged(p, torch.tensor([1, 0]), torch.tensor([2, 2]), None, None,
+        ...     ["greedy", "greedy"])
+        >>> out.output_token_ids.tolist(), out.num_accepted.tolist()
+        ([[1, 2, -1], [0, -1, -1]], [1, 0])
+    """
+    device = target_probs.device
+    cu = cu_num_draft_tokens.to(device=device, dtype=torch.long)
+    num_draft = torch.diff(cu, prepend=cu.new_zeros(1))  # [B]
+    b = cu.shape[0]
+    k = int(num_draft.max()) if b else 0  # the only host read: the padded width
+    starts = cu - num_draft  # [B] first draft index of each row
+    cols = torch.arange(k + 1, device=device)[None, :]  # [1, K + 1]
+    draft_idx = (starts[:, None] + cols[:, :k]).clamp_max(max(draft_token_ids.shape[0] - 1, 0))  # [B, K]
+    in_range = cols[:, :k] < num_draft[:, None]
+    # Target rows of request b start at starts[b] + b (one bonus row per earlier request).
+    target_idx = starts[:, None] + torch.arange(b, device=device)[:, None] + cols.clamp_max(num_draft[:, None])
+    padded_drafts = torch.where(in_range, draft_token_ids[draft_idx] if k else draft_token_ids.new_zeros(b, 0),
+                                PLACEHOLDER_TOKEN_ID)
+    padded_q = None
+    if draft_probs is not None:
+        padded_q = draft_probs[draft_idx] if k else draft_probs.new_zeros(b, 0, target_probs.shape[1])
+        padded_q = torch.where(in_range[..., None], padded_q, 1.0)  # any positive row; never read
+    return speculative_sample(
+        target_probs[target_idx], padded_drafts, padded_q, num_draft,
+        None if draws is None else draws[target_idx], methods, posterior_threshold, posterior_alpha,
+    )

@@ -40,7 +40,6 @@ class _Dists:
 
 def _two_tokens(d: _Dists, gen: torch.Generator, sampler, n: int = N) -> collections.Counter:
     """Simulate speculative decoding of two tokens, gamma = 2, n times."""
-    v = d.target.vocab_size
     d.fill([()])
     x1 = torch.multinomial(d.q[()], n, replacement=True, generator=gen)
     d.fill([(int(a),) for a in x1])
@@ -52,9 +51,8 @@ def _two_tokens(d: _Dists, gen: torch.Generator, sampler, n: int = N) -> collect
         p = torch.stack([torch.stack([d.p[()], d.p[(int(x1[i]),)], d.p[()]]) for i in rows])  # [b, 3, V]
         q = torch.stack([torch.stack([d.q[()], d.q[(int(x1[i]),)]]) for i in rows])  # [b, 2, V]
         drafts = torch.stack([x1[s : s + len(rows)], x2[s : s + len(rows)]], 1)
-        u = torch.rand(len(rows), 2, generator=gen)
-        e = torch.empty(len(rows), 3, v).exponential_(generator=gen).clamp_min_(1e-30)
-        out = sampler(p, drafts, q, torch.full((len(rows),), 2), u, e)
+        draws = torch.rand(len(rows), 3, 2, generator=gen, dtype=torch.float64)
+        out = sampler(p, drafts, q, torch.full((len(rows),), 2), draws)
         for r in range(len(rows)):
             toks = out.output_token_ids[r].tolist()
             if out.num_emitted[r] >= 2:
@@ -65,9 +63,8 @@ def _two_tokens(d: _Dists, gen: torch.Generator, sampler, n: int = N) -> collect
     for a in pending:  # round 2: gamma = 1 from prompt + [a]
         qa, pa = d.q[(a,)], d.p[(a,)]
         x = torch.multinomial(qa, 1, generator=gen)
-        u = torch.rand(1, 1, generator=gen)
-        e = torch.empty(1, 2, v).exponential_(generator=gen).clamp_min_(1e-30)
-        out = sampler(torch.stack([pa, pa])[None], x[None], qa[None, None], torch.tensor([1]), u, e)
+        draws = torch.rand(1, 2, 2, generator=gen, dtype=torch.float64)
+        out = sampler(torch.stack([pa, pa])[None], x[None], qa[None, None], torch.tensor([1]), draws)
         pairs[(a, int(out.output_token_ids[0, 0]))] += 1
     return pairs
 

@@ -7,15 +7,19 @@ import collections
 import pytest
 import torch
 
-from specdec.sampling import sample_with_noise
+from specdec.sampling import sample_inverse_cdf
 from specdec.verification import PLACEHOLDER_TOKEN_ID, greedy_verify, rejection_sample
 from tests.conftest import chi_square_pvalue
 
 
-def _noise(gen: torch.Generator, b: int, k: int, v: int):
-    uniform = torch.rand(b, k, generator=gen)
-    exp_noise = torch.empty(b, k + 1, v).exponential_(generator=gen).clamp_min_(1e-30)
-    return uniform, exp_noise
+def _draws(gen: torch.Generator, b: int, k: int) -> torch.Tensor:
+    """[b, k + 1, 2] float64 uniforms: acceptance draws and token picks."""
+    return torch.rand(b, k + 1, 2, generator=gen, dtype=torch.float64)
+
+
+def _fixed(accept_u: list[float], pick_u: list[float]) -> torch.Tensor:
+    """Hand-set draws for one row: [1, K + 1, 2]."""
+    return torch.tensor([list(zip(accept_u + [0.0], pick_u))], dtype=torch.float64)
 
 
 def test_greedy_accepts_matching_prefix_then_emits_target_token():
@@ -39,9 +43,8 @@ def test_greedy_ragged_rows_stop_at_their_own_draft_count():
 def test_rejection_accepts_when_u_times_q_below_p_without_division():
     p = torch.tensor([[[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]]])  # [1, 2, 3]
     q = torch.tensor([[[1.0, 0.0, 0.0]]])  # draft token 0 with q=1, p=0.5
-    exp_noise = torch.ones(1, 2, 3)
-    accept = rejection_sample(p, torch.tensor([[0]]), q, torch.tensor([1]), torch.tensor([[0.49]]), exp_noise)
-    reject = rejection_sample(p, torch.tensor([[0]]), q, torch.tensor([1]), torch.tensor([[0.51]]), exp_noise)
+    accept = rejection_sample(p, torch.tensor([[0]]), q, torch.tensor([1]), _fixed([0.49], [0.5, 0.5]))
+    reject = rejection_sample(p, torch.tensor([[0]]), q, torch.tensor([1]), _fixed([0.51], [0.5, 0.5]))
     assert accept.output_token_ids.tolist() == [[0, 2]]  # bonus from p at the next position
     # Rejected: the residual (p - q)+ is all on token 1.
     assert reject.output_token_ids.tolist() == [[1, -1]]
@@ -51,7 +54,7 @@ def test_rejection_accepts_when_u_times_q_below_p_without_division():
 def test_draft_with_zero_target_probability_is_always_rejected():
     p = torch.tensor([[[0.0, 1.0], [0.5, 0.5]]])
     q = torch.tensor([[[1.0, 0.0]]])
-    out = rejection_sample(p, torch.tensor([[0]]), q, torch.tensor([1]), torch.zeros(1, 1), torch.ones(1, 2, 2))
+    out = rejection_sample(p, torch.tensor([[0]]), q, torch.tensor([1]), _fixed([0.0], [0.5, 0.5]))
     assert out.num_accepted.tolist() == [0]
     assert out.output_token_ids[0, 0].item() == 1
 
@@ -67,17 +70,16 @@ def _simulate(p_rows, q_rows, n, gen, sampler=rejection_sample, ids_only=False):
     q = q_rows.expand(n, k, v)
     drafts = q_rows.argmax(-1).expand(n, k) if ids_only else torch.multinomial(
         q.reshape(-1, v), 1, generator=gen).reshape(n, k)
-    uniform, exp_noise = _noise(gen, n, k, v)
-    out = sampler(p_rows.expand(n, k + 1, v), drafts, None if ids_only else q, torch.full((n,), k), uniform, exp_noise)
+    out = sampler(p_rows.expand(n, k + 1, v), drafts, None if ids_only else q, torch.full((n,), k), _draws(gen, n, k))
     return collections.Counter(out.output_token_ids[:, 0].tolist())
 
 
-def _wrong_sampler(p, drafts, q, num_draft, uniform, exp_noise):
+def _wrong_sampler(p, drafts, q, num_draft, draws):
     """Deliberately wrong: on rejection resample from p instead of (p - q)+."""
-    out = rejection_sample(p, drafts, q, num_draft, uniform, exp_noise)
+    out = rejection_sample(p, drafts, q, num_draft, draws)
     rows = torch.arange(p.shape[0])
     idx = out.num_accepted
-    wrong = sample_with_noise(p[rows, idx], exp_noise[rows, idx])
+    wrong = sample_inverse_cdf(p[rows, idx], draws[rows, idx, 1])
     fixed = out.output_token_ids.clone()
     rejected = idx < num_draft
     fixed[rows[rejected], idx[rejected]] = wrong[rejected]
@@ -112,8 +114,7 @@ def test_batch_rows_are_independent_of_each_other():
     drafts = torch.multinomial(qq.reshape(-1, v), 1, generator=gen).reshape(2 * n, k)
     num_draft = torch.where(rows == 0, 2, 1)
     drafts[:, 1] = torch.where(rows == 0, drafts[:, 1], -1)
-    uniform, exp_noise = _noise(gen, 2 * n, k, v)
-    out = rejection_sample(pp, drafts, qq, num_draft, uniform, exp_noise)
+    out = rejection_sample(pp, drafts, qq, num_draft, _draws(gen, 2 * n, k))
     assert (out.num_accepted <= num_draft).all()
     for r in range(2):
         first = collections.Counter(out.output_token_ids[rows == r, 0].tolist())

@@ -1,0 +1,123 @@
+"""`specdec bench sampler`: cost of the batched verification sampler and of each proposal form.
+
+Prints, for one device (cpu, or cuda when available):
+  * microseconds per `speculative_sample` call at several batch sizes, for rejection
+    sampling with dense q, with one-hot q (ids-only / n-gram drafts), greedy matching and
+    typical acceptance, plus the seeded draws (`counter_uniforms`) on their own;
+  * the bytes a proposal puts on the wire per round for each form (V, gamma as given).
+FlashInfer's `chain_speculative_sampling` is timed beside ours when it is importable
+(it needs CUDA); otherwise its column says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Callable
+
+import torch
+
+from specdec.proposals import DENSE, IDS_ONLY, SPARSE, ProposalBuilder, ProposalFormat
+from specdec.sampling import STREAM_VERIFY, counter_uniforms
+from specdec.verification import speculative_sample
+
+PROPOSAL_FORMS = [
+    ("dense float32", ProposalFormat(kind=DENSE, dtype="float32")),
+    ("dense float16", ProposalFormat(kind=DENSE, dtype="float16")),
+    ("dense bfloat16", ProposalFormat(kind=DENSE, dtype="bfloat16")),
+    ("sparse top-64 float32", ProposalFormat(kind=SPARSE, dtype="float32", top_n=64)),
+    ("sparse top-64 float16", ProposalFormat(kind=SPARSE, dtype="float16", top_n=64)),
+    ("sparse top-16 float16", ProposalFormat(kind=SPARSE, dtype="float16", top_n=16)),
+    ("ids-only", ProposalFormat(kind=IDS_ONLY)),
+]
+
+
+def proposal_bytes(vocab: int, gamma: int, seed: int = 0) -> list[tuple[str, int]]:
+    """(form, payload bytes per round): probabilities + sparse ids, plus 4 bytes per draft id."""
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(gamma, vocab, generator=gen) * 3, dim=-1)
+    out = []
+    for name, fmt in PROPOSAL_FORMS:
+        builder = ProposalBuilder(fmt, vocab)
+        for j in range(gamma):
+            builder.sample(probs[j], float(torch.rand(1, generator=gen)), int(probs[j].argmax()))
+        out.append((name, builder.build().nbytes + 4 * gamma))
+    return out
+
+
+def _time_us(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
+    for _ in range(3):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeat * 1e6
+
+
+def _flashinfer() -> Callable | None:
+    try:
+        from flashinfer.sampling import chain_speculative_sampling  # type: ignore[import-not-found]
+    except Exception:  # not installed, or no CUDA build
+        return None
+    return chain_speculative_sampling
+
+
+def sampler_timings(device: torch.device, batch_sizes: list[int], gamma: int, vocab: int,
+                    repeat: int) -> list[dict]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    flashinfer = _flashinfer() if device.type == "cuda" else None
+    rows = []
+    for b in batch_sizes:
+        p = torch.softmax(torch.randn(b, gamma + 1, vocab, device=device, generator=gen) * 3, -1)
+        q = torch.softmax(torch.randn(b, gamma, vocab, device=device, generator=gen) * 3, -1)
+        drafts = torch.multinomial(q.reshape(-1, vocab), 1, generator=gen).reshape(b, gamma)
+        num_draft = torch.full((b,), gamma, device=device)
+        seeds = torch.arange(b, device=device, dtype=torch.int64)
+        positions = 100 + torch.arange(gamma + 1, device=device, dtype=torch.int64).expand(b, gamma + 1)
+        draws = counter_uniforms(seeds, STREAM_VERIFY, positions)  # [B, gamma + 1, 2]
+        thr, alpha = torch.full((b,), 0.09, device=device), torch.full((b,), 0.3, device=device)
+        row = {"batch_size": b, "gamma": gamma, "vocab": vocab, "device": device.type}
+        cases = {
+            "rejection_dense_q_us": lambda: speculative_sample(p, drafts, q, num_draft, draws, ["rejection"] * b),
+            "rejection_one_hot_q_us": lambda: speculative_sample(p, drafts, None, num_draft, draws, ["rejection"] * b),
+            "greedy_us": lambda: speculative_sample(p, drafts, None, num_draft, None, ["greedy"] * b),
+            "typical_us": lambda: speculative_sample(p, drafts, None, num_draft, draws, ["typical"] * b, thr, alpha),
+            # The seeded draws of the whole batch: counter-based, on the device, no host sync.
+            "seeded_draws_us": lambda: counter_uniforms(seeds, STREAM_VERIFY, positions),
+        }
+        for name, fn in cases.items():
+            row[name] = round(_time_us(fn, device, repeat), 1)
+        if flashinfer is not None:
+            ids32 = drafts.to(torch.int32)
+            row["flashinfer_chain_us"] = round(_time_us(lambda: flashinfer(q, ids32, p), device, repeat), 1)
+        else:
+            row["flashinfer_chain_us"] = None
+        rows.append(row)
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x]
+    sizes = proposal_bytes(args.vocab_size, args.num_speculative_tokens)
+    print(f"proposal bytes per round (V={args.vocab_size}, gamma={args.num_speculative_tokens}):")
+    dense = sizes[0][1]
+    for name, n in sizes:
+        print(f"  {name:<24} {n:>9,d} B   ({dense / n:,.0f}x smaller than dense float32)")
+    rows = sampler_timings(device, batch_sizes, args.num_speculative_tokens, args.vocab_size, args.repeat)
+    keys = [k for k in rows[0] if k.endswith("_us")]
+    print(f"\nsampler, microseconds per call on {device} (torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads):")
+    print(f"  {'B':>4} " + " ".join(f"{k[:-3]:>22}" for k in keys))
+    for r in rows:
+        cells = ["n/a (no flashinfer)" if r[k] is None else f"{r[k]:,.1f}" for k in keys]
+        print(f"  {r['batch_size']:>4} " + " ".join(f"{c:>22}" for c in cells))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"proposal_bytes": dict(sizes), "sampler": rows}, fh, indent=2)
+    return 0
