@@ -1,15 +1,19 @@
-"""Draft engine: truncate the session's cache, append the client's tokens, draft gamma tokens."""
+"""Draft engine: each waiting session's cache is truncated and extended, then all of them
+draft in lockstep, one batched forward per draft position."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from specdec.batching import WorkItem
+from specdec.models import Row
 from specdec.proposals import Proposal, ProposalBuilder, ProposalFormat
-from specdec.sampling import STREAM_DRAFT, SamplingParams, logits_to_probs, position_noise
+from specdec.sampling import STREAM_DRAFT, SamplingParams, position_uniforms, process_logits
 from specdec.serving import ServingModel
+from specdec.sessions import Session
 
 log = logging.getLogger(__name__)
 
@@ -19,6 +23,18 @@ class DraftOut:
     draft_token_ids: list[int]
     proposal: Proposal  # exactly the distribution each draft token was sampled from
     kv_length: int
+
+
+@dataclass
+class _Request:
+    session: Session  # held exclusively by the submitting thread, already truncated
+    append_token_ids: list[int]
+    num_draft_tokens: int
+    params: SamplingParams
+    fmt: ProposalFormat
+    prompt_length: int
+    builder: ProposalBuilder
+    drafts: list[int] = field(default_factory=list)
 
 
 class DrafterEngine(ServingModel):
@@ -32,38 +48,62 @@ class DrafterEngine(ServingModel):
         num_draft_tokens: int,
         params: SamplingParams,
         fmt: ProposalFormat = ProposalFormat(),
+        prompt_length: int = 0,
     ) -> DraftOut:
-        self.check_request(truncate_to, append_token_ids, num_draft_tokens, params)
-        return self.run(self._draft, session_id, truncate_to, append_token_ids, num_draft_tokens, params, fmt)
-
-    def _draft(
-        self,
-        session_id: str,
-        truncate_to: int,
-        append_token_ids: list[int],
-        num_draft_tokens: int,
-        params: SamplingParams,
-        fmt: ProposalFormat,
-    ) -> DraftOut:
+        """Validates (before the session is touched), holds the session, waits for its batch."""
+        self.check_request(truncate_to, append_token_ids, num_draft_tokens, params, prompt_length=prompt_length)
         with self.sessions.use(session_id, truncate_to) as session:
-            seed = params.seed if params.seed is not None else session.seed
-            first_pos = truncate_to + len(append_token_ids)  # absolute position of the first draft token
-            builder = ProposalBuilder(fmt, self.lm.vocab_size)
-            logits = self.lm.forward(append_token_ids, session.cache, logits_to_keep=1)  # [1, V]
-            drafts: list[int] = []
-            for j in range(num_draft_tokens):
-                if j > 0:
-                    logits = self.lm.forward([drafts[-1]], session.cache, logits_to_keep=1)
-                row = logits[-1]  # [V]
-                argmax = int(torch.argmax(row))
-                if params.greedy:
-                    drafts.append(builder.sample(None, None, argmax))
-                    continue
-                probs = logits_to_probs(row[None], params)[0]
-                _, noise = position_noise(seed, STREAM_DRAFT, [first_pos + j], row.shape[-1])
-                drafts.append(builder.sample(probs, noise[0], argmax))
-            session.length = self.lm.cache_length(session.cache)
-            self.stats.add(forwards=max(1, len(drafts)), draft_tokens=len(drafts))
-            log.debug("draft session=%s truncate_to=%d appended=%d drafts=%d kv=%d",
-                      session_id, truncate_to, len(append_token_ids), len(drafts), session.length)
-            return DraftOut(draft_token_ids=drafts, proposal=builder.build(), kv_length=session.length)
+            req = _Request(session, append_token_ids, num_draft_tokens, params, fmt, prompt_length,
+                           ProposalBuilder(fmt, self.lm.vocab_size))
+            return self.submit(req)
+
+    def _run_batch(self, items: list[WorkItem]) -> None:
+        reqs: list[_Request] = [it.payload for it in items]
+        rows = [Row(r.session.cache, r.append_token_ids, 1) for r in reqs]
+        logits = self.lm.forward_rows(rows)  # one [1, V] per row
+        for r in reqs:
+            r.session.tokens.extend(r.append_token_ids)
+        forwards = 1
+        while True:
+            active = [r for r in reqs if len(r.drafts) < r.num_draft_tokens]
+            by_row = dict(zip((id(row.slot) for row in rows), logits))
+            for r in active:
+                self._sample(r, by_row[id(r.session.cache)])
+            # Every draft but the last of each request is appended, so the next step can draft after it.
+            rows = [Row(r.session.cache, [r.drafts[-1]], 1) for r in active if len(r.drafts) < r.num_draft_tokens]
+            if not rows:
+                break
+            for r in active:
+                if len(r.drafts) < r.num_draft_tokens:
+                    r.session.tokens.append(r.drafts[-1])
+            logits = self.lm.forward_rows(rows)
+            forwards += 1
+        for item, r in zip(items, reqs):
+            try:
+                item.future.set_result(self._finish(r))
+            except Exception as exc:  # noqa: BLE001 - this request alone fails
+                item.future.set_exception(exc)
+        self.stats.add(forwards=forwards)
+
+    def _sample(self, r: _Request, logits: torch.Tensor) -> None:
+        """Draft one token for r from logits [1, V]; penalties see the committed tokens and
+        the drafts before it, as the verifier's will."""
+        probs = process_logits(logits, r.params, self.token_context(r.session.tokens, r.prompt_length))  # [1, V]
+        argmax = int(torch.argmax(probs[0]))
+        if r.params.greedy:
+            r.drafts.append(r.builder.sample(None, None, argmax))
+            return
+        seed = r.params.seed if r.params.seed is not None else r.session.seed
+        position = len(r.session.tokens)  # absolute position of this draft
+        u = position_uniforms(seed, STREAM_DRAFT, [position])[0, 1]
+        r.drafts.append(r.builder.sample(probs[0], u, argmax))
+
+    def _finish(self, r: _Request) -> DraftOut:
+        session = r.session
+        session.length = self.lm.cache_length(session.cache)
+        if session.length != len(session.tokens):
+            raise RuntimeError(f"drafter cache holds {session.length} tokens, its id list {len(session.tokens)}")
+        self.stats.add(draft_tokens=len(r.drafts))
+        log.debug("draft session=%s appended=%d drafts=%d kv=%d",
+                  session.session_id, len(r.append_token_ids), len(r.drafts), session.length)
+        return DraftOut(draft_token_ids=r.drafts, proposal=r.builder.build(), kv_length=session.length)

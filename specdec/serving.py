@@ -9,19 +9,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, TypeVar
 
-import torch
-
+from specdec.batching import BatchPolicy, BatchScheduler, WorkItem
 from specdec.errors import InvalidArgument, OutOfRange
 from specdec.models import CausalLM, ModelSpec, tokenizer_source
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, TokenContext
 from specdec.sessions import SessionStore
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -66,15 +62,18 @@ class EngineConfig:
     max_draft_tokens: int = 16
     max_sessions: int = 256
     session_ttl_s: float = 600.0
+    kv_budget_mb: float | None = None  # None: no byte budget, only max_sessions
+    max_batch_size: int = 32
+    max_wait_ms: float = 0.0
 
 
 class ServingModel:
-    """A model, its session store, and the one engine thread that runs all torch work.
+    """A model, its session store, and the batch scheduler whose thread runs all torch work.
 
-    gRPC handlers run on a pool of threads; every forward and sampling step instead runs
-    on a single long-lived engine thread (`run`). On CPU this matters for speed: torch's
-    OpenMP team belongs to the calling OS thread, and forwards issued from many threads
-    ran ~1.5-2x slower here than from one. It also serializes forwards (no batching yet).
+    gRPC handlers validate a request, hold its session (exclusively, truncated to
+    `truncate_to`) and submit it; the engine thread gathers concurrent requests of
+    different sessions into one batched forward and one batched sampler call
+    (`_run_batch`, per engine), then settles each request.
     """
 
     role = "model"
@@ -84,11 +83,13 @@ class ServingModel:
         self.config = config
         self.lm = lm or CausalLM(spec)
         self.sessions = SessionStore(
-            self.lm.new_cache, self.lm.crop, max_sessions=config.max_sessions, ttl_s=config.session_ttl_s
+            self.lm.new_cache, self.lm.crop, max_sessions=config.max_sessions, ttl_s=config.session_ttl_s,
+            kv_budget_bytes=None if config.kv_budget_mb is None else int(config.kv_budget_mb * 2**20),
+            cache_bytes=self.lm.cache_bytes,
         )
-        self._engine_thread = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"{self.role}-engine",
-            initializer=torch.set_num_threads, initargs=(self.lm.threads,),
+        self.scheduler = BatchScheduler(
+            self._run_batch, BatchPolicy(config.max_batch_size, config.max_wait_ms), threads=self.lm.threads,
+            name=self.role,
         )
         self.stats = ServingStats()
         self.info = ModelInfo(
@@ -109,21 +110,31 @@ class ServingModel:
         out = self.stats.as_dict()
         out["live_sessions"] = len(self.sessions)
         out["kv_tokens"] = self.sessions.kv_tokens()
-        out["kv_bytes"] = out["kv_tokens"] * self.lm.kv_bytes_per_token()
+        out["kv_bytes"] = self.sessions.kv_bytes()
+        out["batches"] = self.scheduler.stats.batches
+        out["evictions"] = self.sessions.evictions
         return out
 
-    def open_session(self) -> str:
-        return self.sessions.open().session_id
+    def open_session(self, owner: str | None = None) -> str:
+        """`owner` (a hash of the caller's credential, or None) alone may use the session."""
+        return self.sessions.open(owner).session_id
 
-    def close_session(self, session_id: str) -> None:
-        self.sessions.close(session_id)
+    def close_session(self, session_id: str, owner: str | None = None) -> None:
+        self.sessions.close(session_id, owner)
 
     def check_request(
         self, truncate_to: int, append_token_ids: list[int], num_draft: int, params: SamplingParams,
-        draft_field: str = "num_draft_tokens",
+        draft_field: str = "num_draft_tokens", prompt_length: int = 0,
     ) -> None:
         """Checks that need no session: ids, gamma, lengths."""
         params.validate()
+        self.check_token_ids(list(params.stop_token_ids), "sampling.stop_token_ids")
+        if not 0 <= prompt_length <= truncate_to + len(append_token_ids):
+            raise InvalidArgument(
+                "prompt_length",
+                f"must be in [0, truncate_to + len(append_token_ids) = {truncate_to + len(append_token_ids)}], "
+                f"got {prompt_length}",
+            )
         if not append_token_ids:
             raise InvalidArgument(
                 "append_token_ids",
@@ -140,21 +151,27 @@ class ServingModel:
                 f"truncate_to + len(append_token_ids) + drafts = {end} exceeds the maximum context {self.lm.max_context}"
             )
 
+    def token_context(self, tokens: list[int], prompt_length: int) -> TokenContext:
+        return TokenContext(prefix=tokens, prompt_length=prompt_length, eos_token_ids=self.info.eos_token_ids)
+
     def check_token_ids(self, token_ids: list[int], field: str) -> None:
         vocab = self.lm.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidArgument(field, f"token id {bad[0]} is outside [0, {vocab})")
 
-    def run(self, fn: Callable[..., T], *args, **kwargs) -> T:
-        """Run fn on the engine thread and wait for its result (exceptions propagate)."""
+    def submit(self, payload) -> object:
+        """Queue one request for the next batch and wait for its result (exceptions propagate)."""
         try:
-            result = self._engine_thread.submit(fn, *args, **kwargs).result()
+            result = self.scheduler.submit(payload)
         except BaseException:
             self.stats.add(failed_requests=1)
             raise
         self.stats.add(requests=1)
         return result
 
+    def _run_batch(self, items: list[WorkItem]) -> None:
+        raise NotImplementedError
+
     def shutdown(self) -> None:
-        self._engine_thread.shutdown(wait=True)
+        self.scheduler.shutdown()

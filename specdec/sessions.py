@@ -1,15 +1,20 @@
-"""Per-session KV caches: open / close, truncation, idle TTL and a session cap.
+"""Per-session KV caches: open / close, truncation, idle TTL, LRU eviction under a
+session cap and a KV memory budget.
 
 State lives here, not in the gRPC layer. A session is used by one call at a time: a
 second concurrent call on it is refused (SessionBusy) rather than interleaved, and a
 call that fails midway restores the cache to the length it truncated to, so the
-client's bookkeeping stays valid.
+client's bookkeeping stays valid. Admission first drops expired sessions, then evicts
+the least recently used idle sessions until the new one fits both limits; only when
+every remaining session has a call in flight is it refused (ResourceExhausted). An
+evicted or expired id answers NOT_FOUND saying so, and the client re-prefills.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import hmac
 import logging
 import secrets
 import threading
@@ -29,8 +34,12 @@ class Session:
     cache: Any  # the model's KV cache object
     seed: int  # server randomness for requests without a seed
     length: int = 0  # tokens held in the KV cache
+    tokens: list[int] = field(default_factory=list)  # the ids behind those KV entries (penalties need them)
     last_used: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Who may use the session (a hash of the caller's credential), None = anyone. A
+    # leaked id alone is then useless: another caller gets NOT_FOUND, as if it did not exist.
+    owner: str | None = None
 
 
 class SessionStore:
@@ -43,12 +52,17 @@ class SessionStore:
         *,
         max_sessions: int = 256,
         ttl_s: float = 600.0,
+        kv_budget_bytes: int | None = None,
+        cache_bytes: Callable[[Any], int] = lambda cache: 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._new_cache = new_cache
         self._crop = crop
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
+        self.kv_budget_bytes = kv_budget_bytes
+        self._cache_bytes = cache_bytes
+        self.evictions = 0
         self._clock = clock
         self._sessions: dict[str, Session] = {}
         self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> why, bounded
@@ -62,24 +76,59 @@ class SessionStore:
         with self._mutex:
             return sum(s.length for s in self._sessions.values())
 
-    def open(self) -> Session:
-        self.expire_idle()
+    def kv_bytes(self) -> int:
         with self._mutex:
-            if len(self._sessions) >= self.max_sessions:
-                raise ResourceExhausted(
-                    f"session limit reached ({self.max_sessions} live sessions); close sessions or retry later"
-                )
-            session = Session(session_id=secrets.token_urlsafe(18), cache=self._new_cache(), seed=random_seed())
+            return sum(self._cache_bytes(s.cache) for s in self._sessions.values())
+
+    def open(self, owner: str | None = None) -> Session:
+        self.expire_idle()
+        cache = self._new_cache()
+        need = self._cache_bytes(cache)
+        if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
+            raise ResourceExhausted(f"one session needs {need / 2**20:.0f} MiB of KV, above the whole budget "
+                                    f"({self.kv_budget_bytes / 2**20:.0f} MiB); raise --kv-budget-mb")
+        with self._mutex:
+            while not self._fits(need):
+                victim = self._least_recently_used_idle()
+                if victim is None:
+                    raise ResourceExhausted(
+                        f"no room for another session ({len(self._sessions)} live, max {self.max_sessions}; KV "
+                        f"{self._used_bytes() / 2**20:.0f} MiB of {self._budget_mib()}) and every session has a "
+                        "call in flight; retry later"
+                    )
+                del self._sessions[victim.session_id]
+                self._forget(victim.session_id, "evicted (least recently used, to admit a new session)")
+                self.evictions += 1
+                log.info("session evicted id=%s idle_s=%.1f", victim.session_id, self._clock() - victim.last_used)
+            session = Session(session_id=secrets.token_urlsafe(18), cache=cache, seed=random_seed(), owner=owner)
             session.last_used = self._clock()
             self._sessions[session.session_id] = session
         log.debug("session open id=%s", session.session_id)
         return session
 
-    def close(self, session_id: str) -> None:
+    def _used_bytes(self) -> int:
+        return sum(self._cache_bytes(s.cache) for s in self._sessions.values())
+
+    def _budget_mib(self) -> str:
+        return "unlimited" if self.kv_budget_bytes is None else f"{self.kv_budget_bytes / 2**20:.0f} MiB"
+
+    def _fits(self, need: int) -> bool:
+        if len(self._sessions) >= self.max_sessions:
+            return False
+        return self.kv_budget_bytes is None or self._used_bytes() + need <= self.kv_budget_bytes
+
+    def _least_recently_used_idle(self) -> Session | None:
+        idle = [s for s in self._sessions.values() if not s.lock.locked()]
+        return min(idle, key=lambda s: s.last_used, default=None)
+
+    def close(self, session_id: str, owner: str | None = None) -> None:
         with self._mutex:
-            session = self._sessions.pop(session_id, None)
+            session = self._sessions.get(session_id)
             if session is None:
                 raise SessionNotFound(self._why_missing(session_id))
+            if not _owns(session, owner):
+                raise SessionNotFound(_unknown(session_id))
+            del self._sessions[session_id]
             self._forget(session_id, "closed")
         log.debug("session close id=%s", session_id)
 
@@ -96,6 +145,17 @@ class SessionStore:
                 del self._sessions[sid]
                 self._forget(sid, f"expired after {self.ttl_s:g} s idle")
         return len(idle)
+
+    def authorize(self, session_id: str, owner: str | None) -> None:
+        """Raise SessionNotFound unless `owner` may use the session (checked before `use`).
+
+        A session's owner never changes, so checking before the engine takes the session
+        is as good as checking inside `use`; a missing session fails in `use` as usual.
+        """
+        with self._mutex:
+            session = self._sessions.get(session_id)
+        if session is not None and not _owns(session, owner):
+            raise SessionNotFound(_unknown(session_id))
 
     @contextlib.contextmanager
     def use(self, session_id: str, truncate_to: int) -> Iterator[Session]:
@@ -118,17 +178,20 @@ class SessionStore:
                     f"truncate_to={truncate_to} exceeds the session's KV length {session.length}; "
                     "it must be <= the kv_length returned by the previous call"
                 )
-            self._crop(session.cache, truncate_to)
-            session.length = truncate_to
+            self._truncate(session, truncate_to)
             try:
                 yield session
             except BaseException:
-                self._crop(session.cache, truncate_to)
-                session.length = truncate_to
+                self._truncate(session, truncate_to)
                 raise
         finally:
             session.last_used = self._clock()
             session.lock.release()
+
+    def _truncate(self, session: Session, length: int) -> None:
+        self._crop(session.cache, length)
+        session.length = length
+        del session.tokens[length:]
 
     def _forget(self, session_id: str, why: str) -> None:
         self._gone[session_id] = why
@@ -139,4 +202,15 @@ class SessionStore:
         why = self._gone.get(session_id)
         if why:
             return f"session {session_id} was {why}; open a new session and re-prefill"
-        return f"unknown session {session_id!r}; open one with OpenSession"
+        return _unknown(session_id)
+
+
+def _unknown(session_id: str) -> str:
+    # Also the answer for someone else's session: the same words reveal nothing.
+    return f"unknown session {session_id!r}; open one with OpenSession"
+
+
+def _owns(session: Session, owner: str | None) -> bool:
+    if session.owner is None:
+        return True
+    return owner is not None and hmac.compare_digest(session.owner.encode(), owner.encode())

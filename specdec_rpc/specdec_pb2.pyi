@@ -221,7 +221,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("role", "requests", "failed_requests", "forwards", "draft_tokens", "accepted_tokens", "emitted_tokens", "live_sessions", "kv_tokens", "kv_bytes")
+    __slots__ = ("role", "requests", "failed_requests", "forwards", "draft_tokens", "accepted_tokens", "emitted_tokens", "live_sessions", "kv_tokens", "kv_bytes", "batches", "evictions")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FAILED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,8 @@ class ServerStats(_message.Message):
     LIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     role: str
     requests: int
     failed_requests: int
@@ -242,4 +244,6 @@ class ServerStats(_message.Message):
     live_sessions: int
     kv_tokens: int
     kv_bytes: int
-    def __init__(self, role: _Optional[str] = ..., requests: _Optional[int] = ..., failed_requests: _Optional[int] = ..., forwards: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., emitted_tokens: _Optional[int] = ..., live_sessions: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+    batches: int
+    evictions: int
+    def __init__(self, role: _Optional[str] = ..., requests: _Optional[int] = ..., failed_requests: _Optional[int] = ..., forwards: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., emitted_tokens: _Optional[int] = ..., live_sessions: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., batches: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...

@@ -9,7 +9,7 @@ import torch
 
 from specdec.errors import InvalidArgument, OutOfRange, ResourceExhausted, SessionBusy, SessionNotFound
 from specdec.proposals import DENSE, IDS_ONLY, SPARSE, ProposalBuilder, ProposalFormat, decode_proposal
-from specdec.sampling import SamplingParams, logits_to_probs, position_noise
+from specdec.sampling import SamplingParams, logits_to_probs, position_uniforms, sample_inverse_cdf
 from specdec.sessions import SessionStore
 from tests.conftest import chi_square_pvalue
 
@@ -42,12 +42,31 @@ def test_min_p_drops_tokens_below_fraction_of_max():
     assert probs[0, 2] == 0 and probs[0, 1] > 0
 
 
-def test_position_noise_depends_only_on_seed_stream_and_position():
-    u1, e1 = position_noise(7, 2, [10, 11], 16)
-    u2, e2 = position_noise(7, 2, [11], 16)
-    u3, _ = position_noise(8, 2, [11], 16)
-    assert torch.equal(u1[1:], u2) and torch.equal(e1[1:], e2)
-    assert not torch.equal(u2, u3)
+def test_position_uniforms_depend_only_on_seed_stream_and_position():
+    u1 = position_uniforms(7, 2, [10, 11])
+    u2 = position_uniforms(7, 2, [11])
+    assert u1.shape == (2, 2) and torch.equal(u1[1:], u2)
+    assert not torch.equal(u2, position_uniforms(8, 2, [11]))
+    assert not torch.equal(u2, position_uniforms(7, 1, [11]))
+    assert ((u1 >= 0) & (u1 < 1)).all()
+
+
+def test_counter_uniforms_are_uniform_and_independent():
+    """H0: 40,000 draws (one seed, consecutive positions, both slots) ~ U[0, 1) with
+    independent slots: a KS test per slot, and slot correlation near 0."""
+    from scipy import stats
+
+    u = position_uniforms(2024, 2, list(range(40_000)))
+    for slot in (0, 1):
+        assert stats.kstest(u[:, slot].numpy(), "uniform").pvalue > 0.001
+    assert abs(float(torch.corrcoef(u.T)[0, 1])) < 0.02
+    assert stats.kstest((u[:, 0] * 0.9).numpy(), "uniform").pvalue < 0.001  # power
+
+
+def test_inverse_cdf_never_returns_a_token_without_mass():
+    dist = torch.tensor([0.0, 0.25, 0.0, 0.75, 0.0])
+    edges = torch.tensor([0.0, 0.2499, 0.25, 0.9999, 1 - 2**-53], dtype=torch.float64)
+    assert sample_inverse_cdf(dist.expand(5, 5), edges).tolist() == [1, 1, 3, 3, 3]
 
 
 @pytest.mark.parametrize("kind,dtype", [(DENSE, "float32"), (DENSE, "float16"), (DENSE, "bfloat16"),
@@ -57,7 +76,7 @@ def test_proposal_round_trip_matches_what_the_drafter_sampled_from(kind, dtype):
     v = 50
     probs = torch.softmax(torch.randn(3, v, generator=gen), -1)
     builder = ProposalBuilder(ProposalFormat(kind=kind, dtype=dtype, top_n=8), v)
-    tokens = [builder.sample(probs[i], torch.empty(v).exponential_(generator=gen), int(probs[i].argmax()))
+    tokens = [builder.sample(probs[i], float(torch.rand(1, generator=gen)), int(probs[i].argmax()))
               for i in range(3)]
     q = decode_proposal(builder.build(), 3, v)
     assert q.shape == (3, v)
@@ -75,7 +94,7 @@ def test_sparse_drafts_are_distributed_as_the_sent_proposal():
     counts = collections.Counter()
     builder = ProposalBuilder(ProposalFormat(kind=SPARSE, top_n=6), v)
     for _ in range(n):
-        counts[builder.sample(probs, torch.empty(v).exponential_(generator=gen), 0)] += 1
+        counts[builder.sample(probs, float(torch.rand(1, generator=gen)), 0)] += 1
     q = decode_proposal(builder.build(), n, v)[0]
     q = q / q.sum()
     assert chi_square_pvalue(counts, {t: float(q[t]) for t in range(v)}, n) > 0.001
@@ -84,13 +103,13 @@ def test_sparse_drafts_are_distributed_as_the_sent_proposal():
 
 def test_ids_only_proposal_is_the_argmax():
     builder = ProposalBuilder(ProposalFormat(kind=IDS_ONLY), 5)
-    assert builder.sample(torch.full((5,), 0.2), torch.ones(5), argmax=3) == 3
+    assert builder.sample(torch.full((5,), 0.2), 0.5, argmax=3) == 3
     assert decode_proposal(builder.build(), 1, 5) is None
 
 
 def test_malformed_proposal_bytes_are_invalid_argument():
     builder = ProposalBuilder(ProposalFormat(kind=DENSE), 4)
-    builder.sample(torch.full((4,), 0.25), torch.ones(4), 0)
+    builder.sample(torch.full((4,), 0.25), 0.5, 0)
     good = builder.build()
     bad = type(good)(kind=good.kind, dtype=good.dtype, shape=good.shape, probs=good.probs[:-2])
     with pytest.raises(InvalidArgument, match="proposal.probs"):
@@ -152,13 +171,41 @@ def test_session_cap_ttl_and_unknown_ids():
     now = [0.0]
     store = _store(max_sessions=2, ttl_s=10.0, clock=lambda: now[0])
     a = store.open()
+    now[0] = 1.0
+    b = store.open()
+    now[0] = 2.0
+    with store.use(a.session_id, 0), store.use(b.session_id, 0):  # both have a call in flight
+        with pytest.raises(ResourceExhausted, match="call in flight"):
+            store.open()
+    now[0] = 3.0
+    with store.use(b.session_id, 0):
+        pass  # b is now the most recently used: a is evicted to admit c
     store.open()
-    with pytest.raises(ResourceExhausted):
-        store.open()
-    now[0] = 11.0
+    assert len(store) == 2 and store.evictions == 1
+    with pytest.raises(SessionNotFound, match="evicted"):
+        with store.use(a.session_id, 0):
+            pass
+    now[0] = 14.0
     assert store.expire_idle() == 2 and len(store) == 0
     with pytest.raises(SessionNotFound, match="expired"):
-        with store.use(a.session_id, 0):
+        with store.use(b.session_id, 0):
             pass
     with pytest.raises(SessionNotFound, match="unknown"):
         store.close("nope")
+
+
+def test_kv_budget_evicts_least_recently_used_and_refuses_oversized_sessions():
+    now = [0.0]
+    store = SessionStore(_FakeCache, lambda c, n: None, kv_budget_bytes=250, cache_bytes=lambda c: 100,
+                         clock=lambda: now[0])
+    first = store.open()
+    now[0] = 1.0
+    store.open()
+    now[0] = 2.0
+    store.open()  # 300 > 250: the least recently used (first) makes room
+    assert len(store) == 2 and store.kv_bytes() == 200 and store.evictions == 1
+    with pytest.raises(SessionNotFound, match="evicted"):
+        store.close(first.session_id)
+    tiny = SessionStore(_FakeCache, lambda c, n: None, kv_budget_bytes=50, cache_bytes=lambda c: 100)
+    with pytest.raises(ResourceExhausted, match="kv-budget-mb"):
+        tiny.open()

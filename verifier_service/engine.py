@@ -1,4 +1,5 @@
-"""Verify engine: one target forward over appended + draft tokens, then speculative sampling."""
+"""Verify engine: one batched target forward over the appended + draft tokens of every
+waiting session, then one batched speculative-sampling call."""
 
 from __future__ import annotations
 
@@ -7,13 +8,24 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.batching import WorkItem
 from specdec.errors import InvalidArgument
+from specdec.models import Row
 from specdec.proposals import IDS_ONLY, Proposal, decode_proposal
-from specdec.sampling import STREAM_VERIFY, SamplingParams, logits_to_probs, position_noise
+from specdec.sampling import GREEDY, REJECTION, STREAM_VERIFY, SamplingParams, position_uniforms, process_logits, top_logprobs
 from specdec.serving import ServingModel
-from specdec.verification import greedy_verify, rejection_sample
+from specdec.sessions import Session
+from specdec.verification import PLACEHOLDER_TOKEN_ID, speculative_sample
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    logprob: float  # of the emitted token under the target's processed distribution
+    rank: int  # 1 = most likely
+    top_token_ids: list[int]
+    top_logprobs: list[float]
 
 
 @dataclass(frozen=True)
@@ -21,6 +33,17 @@ class VerifyOut:
     output_token_ids: list[int]  # accepted drafts + one recovered / bonus token
     num_accepted: int
     kv_length: int  # committed + accepted drafts; the last output token is not cached yet
+    logprobs: list[TokenLogprob] | None = None  # one per output token when requested
+
+
+@dataclass(frozen=True)
+class _Request:
+    session: Session  # held exclusively by the submitting thread, already truncated
+    append_token_ids: list[int]
+    draft_token_ids: list[int]
+    q: torch.Tensor | None  # [K, V] proposal; None for greedy, typical or one-hot
+    params: SamplingParams
+    prompt_length: int
 
 
 class VerifierEngine(ServingModel):
@@ -34,51 +57,80 @@ class VerifierEngine(ServingModel):
         draft_token_ids: list[int],
         proposal: Proposal | None,
         params: SamplingParams,
+        prompt_length: int = 0,
     ) -> VerifyOut:
+        """Validates (before the session is touched), holds the session, waits for its batch."""
         k = len(draft_token_ids)
-        self.check_request(truncate_to, append_token_ids, k, params, draft_field="draft_token_ids")
+        self.check_request(truncate_to, append_token_ids, k, params, draft_field="draft_token_ids",
+                           prompt_length=prompt_length)
         self.check_token_ids(draft_token_ids, "draft_token_ids")
-        vocab = self.lm.vocab_size
         q = None
-        if k and not params.greedy:
+        if k and params.method == REJECTION:
             if proposal is None:
                 raise InvalidArgument("proposal", "sampled verification of drafts needs the proposal they were drawn from")
-            q = decode_proposal(proposal, k, vocab)  # validated before touching the session
+            q = decode_proposal(proposal, k, self.lm.vocab_size)
             if proposal.kind == IDS_ONLY and proposal.shape != (k,):
                 raise InvalidArgument("proposal.shape", f"ids-only proposals are [{k}], got {list(proposal.shape)}")
-        return self.run(self._verify, session_id, truncate_to, append_token_ids, draft_token_ids, q, params)
-
-    def _verify(
-        self,
-        session_id: str,
-        truncate_to: int,
-        append_token_ids: list[int],
-        draft_token_ids: list[int],
-        q: torch.Tensor | None,  # [K, V] proposal, None for greedy or one-hot
-        params: SamplingParams,
-    ) -> VerifyOut:
-        k = len(draft_token_ids)
-        vocab = self.lm.vocab_size
         with self.sessions.use(session_id, truncate_to) as session:
-            seed = params.seed if params.seed is not None else session.seed
-            first_pos = truncate_to + len(append_token_ids)  # absolute position of the first draft / new token
-            logits = self.lm.forward(append_token_ids + draft_token_ids, session.cache, logits_to_keep=k + 1)  # [K+1, V]
-            drafts = torch.tensor([draft_token_ids], dtype=torch.long).reshape(1, k)  # [1, K]
-            num_draft = torch.tensor([k])
-            if params.greedy:
-                out = greedy_verify(logits.argmax(dim=-1)[None], drafts, num_draft)
-            else:
-                p = logits_to_probs(logits, params)[None]  # [1, K+1, V]
-                uniform, noise = position_noise(seed, STREAM_VERIFY, list(range(first_pos, first_pos + k + 1)), vocab)
-                out = rejection_sample(
-                    p, drafts, None if q is None else q[None], num_draft, uniform[None, :k], noise[None]
-                )
-            n_acc = int(out.num_accepted[0])
-            emitted = out.output_token_ids[0, : n_acc + 1].tolist()
-            # Keep the accepted drafts cached; drop the rejected tail.
-            session.length = first_pos + n_acc
-            self.lm.crop(session.cache, session.length)
-            self.stats.add(forwards=1, draft_tokens=k, accepted_tokens=n_acc, emitted_tokens=n_acc + 1)
-            log.debug("verify session=%s truncate_to=%d appended=%d drafts=%d accepted=%d kv=%d",
-                      session_id, truncate_to, len(append_token_ids), k, n_acc, session.length)
-            return VerifyOut(output_token_ids=emitted, num_accepted=n_acc, kv_length=session.length)
+            return self.submit(_Request(session, append_token_ids, draft_token_ids, q, params, prompt_length))
+
+    def _run_batch(self, items: list[WorkItem]) -> None:
+        reqs: list[_Request] = [it.payload for it in items]
+        logits = self.lm.forward_rows(  # B x [K_b + 1, V]
+            [Row(r.session.cache, r.append_token_ids + r.draft_token_ids, len(r.draft_token_ids) + 1) for r in reqs])
+        vocab = self.lm.vocab_size
+        k_max = max(len(r.draft_token_ids) for r in reqs)
+        b = len(reqs)
+        target = torch.zeros(b, k_max + 1, vocab)  # [B, K + 1, V]; rows past K_b + 1 are never read
+        drafts = torch.full((b, k_max), PLACEHOLDER_TOKEN_ID, dtype=torch.long)  # [B, K]
+        draws = torch.zeros(b, k_max + 1, 2, dtype=torch.float64)  # [B, K + 1, 2]
+        q = None
+        if any(r.q is not None for r in reqs):
+            q = torch.ones(b, k_max, vocab)  # rows of requests without q are ignored (one-hot or unused)
+        probs = []
+        for i, (r, lg) in enumerate(zip(reqs, logits)):
+            k = len(r.draft_token_ids)
+            first_pos = r.session.length + len(r.append_token_ids)  # absolute position of draft 0
+            ctx = self.token_context(r.session.tokens + r.append_token_ids, r.prompt_length)
+            p = process_logits(lg, r.params, ctx, r.draft_token_ids)  # [K_b + 1, V]
+            probs.append(p)
+            target[i, : k + 1] = p
+            drafts[i, :k] = torch.tensor(r.draft_token_ids, dtype=torch.long)
+            if r.params.method != GREEDY:
+                seed = r.params.seed if r.params.seed is not None else r.session.seed
+                draws[i, : k + 1] = position_uniforms(seed, STREAM_VERIFY, list(range(first_pos, first_pos + k + 1)))
+            if q is not None:
+                if r.q is not None:
+                    q[i, :k] = r.q
+                else:  # one-hot q of an ids-only proposal: (p - q)+ is p without the draft
+                    q[i, :k] = 0.0
+                    q[i, torch.arange(k), drafts[i, :k]] = 1.0
+        out = speculative_sample(
+            target, drafts, q, torch.tensor([len(r.draft_token_ids) for r in reqs]),
+            draws if any(r.params.method != GREEDY for r in reqs) else None, [r.params.method for r in reqs],
+            torch.tensor([r.params.posterior_threshold for r in reqs]),
+            torch.tensor([r.params.posterior_alpha for r in reqs]),
+        )
+        self.stats.add(forwards=1)
+        for i, (item, r) in enumerate(zip(items, reqs)):
+            try:
+                item.future.set_result(self._finish(r, probs[i], int(out.num_accepted[i]),
+                                                    out.output_token_ids[i].tolist()))
+            except Exception as exc:  # noqa: BLE001 - this request alone fails
+                item.future.set_exception(exc)
+
+    def _finish(self, r: _Request, p: torch.Tensor, n_acc: int, row: list[int]) -> VerifyOut:
+        session = r.session
+        k = len(r.draft_token_ids)
+        emitted = row[: n_acc + 1]
+        logprobs = None
+        if r.params.logprobs is not None:
+            logprobs = [TokenLogprob(*x) for x in top_logprobs(p[: n_acc + 1], emitted, r.params.logprobs)]
+        # Keep the appended tokens and the accepted drafts cached; drop the rejected tail.
+        session.tokens.extend(r.append_token_ids + r.draft_token_ids[:n_acc])
+        session.length = len(session.tokens)
+        self.lm.crop(session.cache, session.length)
+        self.stats.add(draft_tokens=k, accepted_tokens=n_acc, emitted_tokens=n_acc + 1)
+        log.debug("verify session=%s appended=%d drafts=%d accepted=%d kv=%d",
+                  session.session_id, len(r.append_token_ids), k, n_acc, session.length)
+        return VerifyOut(output_token_ids=emitted, num_accepted=n_acc, kv_length=session.length, logprobs=logprobs)

@@ -1,4 +1,4 @@
-"""`specdec bench serve|sweep|peer`: arguments, then a call into serve / sweep / peer.
+"""`specdec bench serve|sweep|peer|verifier|sampler`: arguments, then a call into a module.
 
 Only argparse at module level: `specdec.cli` builds this parser for every command.
 """
@@ -110,6 +110,25 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--service-threads", type=_positive("--service-threads"), default=2,
                    help="torch threads of the services this command starts")
     p.add_argument("--result-json", default=None)
+
+    v = sub.add_parser("verifier", help="verifier throughput vs concurrency (continuous batching)")
+    v.add_argument("--verifier", default=None, help="HOST:PORT (default: start one here)")
+    v.add_argument("--concurrency", default="1,4,16,32", help="comma-separated; the first is the baseline")
+    v.add_argument("--num-speculative-tokens", type=int, default=4, help="random drafts per round (gamma)")
+    v.add_argument("--prompt-len", type=_positive("--prompt-len"), default=64)
+    v.add_argument("--seconds", type=_positive("--seconds", float), default=10.0, help="measured time per level")
+    v.add_argument("--max-batch-size", type=_positive("--max-batch-size"), default=32)
+    v.add_argument("--max-wait-ms", type=float, default=0.0)
+    v.add_argument("--service-threads", type=_positive("--service-threads"), default=2)
+    v.add_argument("--json", default=None)
+
+    m = sub.add_parser("sampler", help="batched sampler cost and bytes per proposal form (no services)")
+    m.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when available)")
+    m.add_argument("--batch-sizes", default="1,16,64", help="comma-separated")
+    m.add_argument("--num-speculative-tokens", type=_positive("--num-speculative-tokens"), default=4, help="gamma")
+    m.add_argument("--vocab-size", type=_positive("--vocab-size"), default=49152)
+    m.add_argument("--repeat", type=_positive("--repeat"), default=20)
+    m.add_argument("--json", default=None, help="also write the results to this path")
     return bench
 
 
@@ -194,5 +213,8 @@ def run_bench(args: argparse.Namespace) -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    commands = {"serve": _serve, "sweep": _sweep, "peer": _peer}
+    from client.bench import verifier
+    from specdec import bench_sampler
+
+    commands = {"serve": _serve, "sweep": _sweep, "peer": _peer, "verifier": verifier.run, "sampler": bench_sampler.run}
     return commands[args.bench_command](args)

@@ -1,0 +1,137 @@
+"""Continuous batching: gRPC threads submit work items; one engine thread runs them in batches.
+
+Policy (`--max-batch-size`, `--max-wait-ms`): when the engine thread is free it takes the
+oldest waiting item, then every item already queued up to the batch size, then waits up
+to `max_wait_ms` for more while the batch is not full. Items that arrive while a batch
+runs wait for the next one, so under load batches fill without any waiting; max_wait_ms
+only trades first-request latency for fuller batches at low load.
+
+All torch work of a service runs on this one thread: torch's OpenMP team belongs to the
+calling OS thread, and forwards issued from many gRPC threads ran ~1.5-2x slower on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    max_batch_size: int = 32
+    max_wait_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
+        if self.max_wait_ms < 0:
+            raise ValueError(f"--max-wait-ms must be >= 0, got {self.max_wait_ms}")
+
+
+@dataclass
+class WorkItem:
+    """One request inside a batch: `payload` in, `future` out (result or exception).
+    An item with `call` set is not batched: the engine thread runs it alone."""
+
+    payload: Any
+    future: Future = field(default_factory=Future)
+    call: Callable[[], Any] | None = None
+
+
+@dataclass
+class BatchStats:
+    batches: int = 0
+    items: int = 0
+    sizes: dict[int, int] = field(default_factory=dict)  # batch size -> count
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.items / self.batches if self.batches else 0.0
+
+
+class BatchScheduler:
+    """Runs `run_batch(items)` on a dedicated thread; `run_batch` must settle every item's future."""
+
+    def __init__(self, run_batch: Callable[[list[WorkItem]], None], policy: BatchPolicy = BatchPolicy(),
+                 threads: int | None = None, name: str = "engine") -> None:
+        self.policy = policy
+        self.stats = BatchStats()
+        self._run_batch = run_batch
+        self._threads = threads
+        self._queue: queue.Queue[WorkItem | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=f"{name}-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, payload: Any) -> Any:
+        """Queue one item and block until its batch ran; exceptions propagate to the caller."""
+        item = WorkItem(payload)
+        self._queue.put(item)
+        return item.future.result()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run a plain function on the engine thread (setup work, tests)."""
+        item = WorkItem(None, call=fn)
+        self._queue.put(item)
+        return item.future.result()
+
+    def shutdown(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def _collect(self, first: WorkItem) -> list[WorkItem]:
+        batch = [first]
+        deadline = time.monotonic() + self.policy.max_wait_ms / 1000
+        while len(batch) < self.policy.max_batch_size:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    item = self._queue.get(timeout=remaining)
+                except queue.Empty:
+                    break
+            if item is None or item.call is not None:
+                self._queue.put(item)  # handled after this batch
+                break
+            batch.append(item)
+        return batch
+
+    def _loop(self) -> None:
+        if self._threads:
+            torch.set_num_threads(self._threads)
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            if first.call is not None:
+                try:
+                    first.future.set_result(first.call())
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    first.future.set_exception(exc)
+                continue
+            batch = self._collect(first)
+            self.stats.batches += 1
+            self.stats.items += len(batch)
+            self.stats.sizes[len(batch)] = self.stats.sizes.get(len(batch), 0) + 1
+            try:
+                self._run_batch(batch)
+            except BaseException as exc:  # noqa: BLE001 - the whole batch failed: tell every caller
+                log.exception("batch of %d failed", len(batch))
+                for item in batch:
+                    if not item.future.done():
+                        item.future.set_exception(exc)
+            for item in batch:  # a run_batch bug must not leave a caller waiting forever
+                if not item.future.done():
+                    item.future.set_exception(RuntimeError("the engine did not settle this request"))
+

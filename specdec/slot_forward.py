@@ -1,0 +1,160 @@
+"""One forward over many sessions: static per-session KV slots and a flat, unpadded batch.
+
+A session's KV cache is a `KVSlot`: one preallocated tensor
+[num_layers, 2, num_kv_heads, max_len, head_dim] whose first `length` positions are
+valid. Truncation only moves `length`; nothing is copied or re-padded between rounds, and
+shapes are static (what CUDA-graph capture needs later).
+
+`SlotForward.forward` runs a llama-family decoder (llama, mistral, qwen2, qwen3: RMSNorm,
+rotary, GQA, gated MLP) over B sessions at once, gpt-fast style, reusing the Hugging Face
+modules' weights. Tokens of all rows are concatenated ([N, hidden], N = sum T_b, no
+padding), so every linear layer runs once for the whole batch — the part that reads the
+weights and dominates decode cost. Attention runs per row against that row's slot view
+(no gather, no copy), with a causal mask offset by the row's cached length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class KVSlot:
+    """Static KV storage of one session: data [L, 2, H_kv, max_len, D]; `length` valid positions."""
+
+    data: torch.Tensor
+    length: int = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.data.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+@dataclass(frozen=True)
+class Row:
+    """One session's part of a batched forward: append `token_ids` after `slot.length`
+    cached tokens, and return logits for the last `keep` of them."""
+
+    slot: KVSlot
+    token_ids: list[int]
+    keep: int = 1
+
+
+def supports(model) -> bool:
+    cfg = model.config
+    return (getattr(cfg, "model_type", None) in SUPPORTED_MODEL_TYPES
+            and not getattr(cfg, "sliding_window", None)  # every layer attends to the full context
+            and hasattr(model, "model") and hasattr(model.model, "rotary_emb"))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class SlotForward:
+    """Batched decoder forward over KV slots for a loaded HF llama-family model."""
+
+    def __init__(self, model, max_len: int) -> None:
+        if not supports(model):
+            raise ValueError(f"model type {getattr(model.config, 'model_type', '?')!r} has no slot forward; "
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} without sliding windows")
+        self.model = model
+        cfg = model.config
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.max_len = max_len
+        param = next(model.parameters())
+        self.dtype, self.device = param.dtype, param.device
+
+    def slot_bytes(self) -> int:
+        elem = torch.finfo(self.dtype).bits // 8
+        return self.num_layers * 2 * self.num_kv_heads * self.max_len * self.head_dim * elem
+
+    def new_slot(self) -> KVSlot:
+        # torch.empty: pages are only committed when written, so an idle slot costs address
+        # space, not resident memory; freeing the session returns it.
+        shape = (self.num_layers, 2, self.num_kv_heads, self.max_len, self.head_dim)
+        return KVSlot(torch.empty(shape, dtype=self.dtype, device=self.device))
+
+    @torch.inference_mode()
+    def forward(self, rows: list[Row]) -> torch.Tensor:
+        """Append each row's tokens to its slot; logits [sum keep_b, V] float32, rows in order."""
+        for r in rows:
+            if not r.token_ids or not 1 <= r.keep <= len(r.token_ids):
+                raise ValueError("each row appends >= 1 token and keeps 1..len(token_ids) logits")
+            if r.slot.length + len(r.token_ids) > r.slot.max_len:
+                raise ValueError(f"row needs {r.slot.length + len(r.token_ids)} positions, the slot has {r.slot.max_len}")
+        inner = self.model.model
+        dev = self.device
+        lengths = [len(r.token_ids) for r in rows]
+        starts = [r.slot.length for r in rows]
+        ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.long, device=dev)  # [N]
+        positions = torch.cat([torch.arange(s, s + n, device=dev) for s, n in zip(starts, lengths)])  # [N]
+        h = inner.embed_tokens(ids)  # [N, hidden]
+        cos, sin = inner.rotary_emb(h[None], positions[None])  # [1, N, D] each
+        cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [N, 1, D]: broadcast over heads
+        masks = [self._causal_mask(s, n) for s, n in zip(starts, lengths)]
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        for li, layer in enumerate(inner.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(-1, self.num_heads, self.head_dim)  # [N, H, D]
+            k = attn.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)  # [N, H_kv, D]
+            v = attn.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+            if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm before rotary
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            out = torch.empty_like(q)  # [N, H, D]
+            for b, r in enumerate(rows):
+                lo, hi, start = bounds[b], bounds[b + 1], starts[b]
+                kv = r.slot.data[li]  # [2, H_kv, max_len, D]
+                kv[0, :, start : start + hi - lo] = k[lo:hi].transpose(0, 1)
+                kv[1, :, start : start + hi - lo] = v[lo:hi].transpose(0, 1)
+                o = F.scaled_dot_product_attention(
+                    q[lo:hi].transpose(0, 1)[None],  # [1, H, T_b, D]
+                    kv[0, :, : start + hi - lo][None], kv[1, :, : start + hi - lo][None],  # [1, H_kv, S_b, D]
+                    attn_mask=masks[b], scale=attn.scaling, enable_gqa=self.num_kv_heads != self.num_heads,
+                )
+                out[lo:hi] = o[0].transpose(0, 1)
+            h = h + attn.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        for r, n in zip(rows, lengths):
+            r.slot.length += n
+        keep = torch.cat([torch.arange(bounds[b + 1] - r.keep, bounds[b + 1], device=dev) for b, r in enumerate(rows)])
+        return self.model.lm_head(inner.norm(h[keep])).float()  # [sum keep, V]
+
+    def _causal_mask(self, start: int, n: int) -> torch.Tensor | None:
+        """[n, start + n] bool, True = may attend: query t sees keys 0..start + t. None for n = 1."""
+        if n == 1:
+            return None
+        cols = torch.arange(start + n, device=self.device)[None, :]
+        return cols <= (start + torch.arange(n, device=self.device))[:, None]
+
+
+def check_matches_reference(model, fwd: SlotForward, token_ids: list[int], atol: float = 1e-3) -> float:
+    """Max |logit difference| between the slot forward and the HF forward on one sequence
+    (used by tests and at load time as a guard)."""
+    slot = fwd.new_slot()
+    ours = fwd.forward([Row(slot, token_ids, keep=len(token_ids))])
+    with torch.inference_mode():
+        ref = model(torch.tensor([token_ids], device=fwd.device)).logits[0].float()
+    diff = float((ours - ref).abs().max())
+    if not math.isfinite(diff) or diff > atol:
+        raise RuntimeError(f"slot forward differs from the reference by {diff:g} (> {atol:g})")
+    return diff

@@ -1,0 +1,199 @@
+"""Continuous batching and the session lifecycle: the slot forward, real servers, real model."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import threading
+import time
+
+import grpc
+import psutil
+import pytest
+import torch
+
+from client.launcher import start_service
+from specdec.models import Row
+from specdec.sampling import SamplingParams
+from specdec.slot_forward import SlotForward, check_matches_reference
+from specdec_rpc import specdec_pb2 as pb
+from specdec_rpc import specdec_pb2_grpc as pb_grpc
+
+PROMPTS = [
+    "The capital of France is", "def add(a, b):", "Once upon a time", "The best way to learn is",
+    "Water boils at", "My favourite book is", "In the year 2050,", "The recipe needs",
+]
+
+
+def test_slot_forward_matches_transformers_prefill_and_incremental(target_lm):
+    ids = target_lm.tokenizer("Speculative decoding drafts tokens and verifies them in one pass.",
+                              add_special_tokens=False).input_ids
+    assert check_matches_reference(target_lm.model, target_lm.slots, ids, atol=1e-4) < 1e-4
+    slot = target_lm.slots.new_slot()
+    head = target_lm.slots.forward([Row(slot, ids[:4], 4)])
+    tail = target_lm.slots.forward([Row(slot, ids[4:], len(ids) - 4)])
+    with torch.inference_mode():
+        ref = target_lm.model(torch.tensor([ids])).logits[0].float()
+    assert torch.allclose(torch.cat([head, tail]), ref, atol=1e-3)
+    assert slot.length == len(ids)
+
+
+def test_rows_of_one_batch_equal_their_solo_forwards(target_lm):
+    fwd: SlotForward = target_lm.slots
+    seqs = [target_lm.tokenizer(p, add_special_tokens=False).input_ids for p in PROMPTS[:3]]
+    solo = []
+    for s in seqs:
+        slot = fwd.new_slot()
+        fwd.forward([Row(slot, s[:-1], 1)])
+        solo.append(fwd.forward([Row(slot, s[-1:], 1)]))
+    slots = [fwd.new_slot() for _ in seqs]
+    # Ragged: one row prefills its whole prompt while the others decode one token.
+    for slot, s in zip(slots[1:], seqs[1:]):
+        fwd.forward([Row(slot, s[:-1], 1)])
+    batched = fwd.forward([Row(slots[0], seqs[0], 1)] + [Row(sl, s[-1:], 1) for sl, s in zip(slots[1:], seqs[1:])])
+    for i in range(3):
+        assert torch.allclose(batched[i], solo[i][0], atol=1e-3)
+        assert int(batched[i].argmax()) == int(solo[i][0].argmax())
+
+
+def test_a_reused_slot_leaks_no_state_between_sessions(target_lm):
+    """A session that starts in a slot another session filled produces its solo output."""
+    fwd: SlotForward = target_lm.slots
+    a = target_lm.tokenizer(PROMPTS[0], add_special_tokens=False).input_ids
+    b = target_lm.tokenizer(PROMPTS[1], add_special_tokens=False).input_ids
+    fresh = fwd.forward([Row(fwd.new_slot(), b, len(b))])
+    slot = fwd.new_slot()
+    fwd.forward([Row(slot, a * 3, 1)])  # fill more positions than b will use
+    slot.length = 0  # the session store's truncate / reuse
+    reused = fwd.forward([Row(slot, b, len(b))])
+    assert torch.equal(reused, fresh)
+
+
+def _stats(address: str, role: str):
+    with grpc.insecure_channel(address) as ch:
+        stub = pb_grpc.VerifierStub(ch) if role == "verifier" else pb_grpc.DrafterStub(ch)
+        return stub.GetStats(pb.StatsRequest(), timeout=10)
+
+
+def test_32_concurrent_generations_equal_their_solo_greedy_outputs(client, verifier_proc):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} (#{i})" for i in range(32)]
+    solo = {p: client.generate(p, params, num_speculative_tokens=3).token_ids for p in prompts[:8]}
+    before = _stats(verifier_proc.address, "verifier")
+    barrier = threading.Barrier(32)
+
+    def run(p):
+        barrier.wait()
+        return client.generate(p, params, num_speculative_tokens=3)
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(run, prompts))
+    after = _stats(verifier_proc.address, "verifier")
+    for p, r in zip(prompts, results):
+        expected = solo.get(p) or client.generate(p, params, target_only=True).token_ids
+        assert r.token_ids == expected, p
+    requests = after.requests - before.requests
+    batches = after.batches - before.batches
+    assert requests >= 32 and batches < requests  # rounds of different sessions shared forwards
+    print(f"verifier: {requests} requests in {batches} batches (mean batch {requests / batches:.1f})")
+
+
+def test_seeded_sampling_is_independent_of_batch_composition(client):
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = client.generate(PROMPTS[2], params, num_speculative_tokens=3).token_ids
+    others = [SamplingParams(temperature=0.8, seed=s, max_tokens=12) for s in range(7)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        noise = [pool.submit(client.generate, PROMPTS[(i + 3) % 8], sp, num_speculative_tokens=2)
+                 for i, sp in enumerate(others)]
+        mine = pool.submit(client.generate, PROMPTS[2], params, num_speculative_tokens=3)
+        assert mine.result().token_ids == alone
+        assert all(f.result().token_ids for f in noise)
+
+
+def _rss_mb(pid: int) -> float:
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+def test_abandoned_sessions_expire_and_memory_returns():
+    """1,000 sessions opened and abandoned (every tenth with a prefill): after the TTL the live
+    count is 0 and the verifier's RSS is within 10% of its baseline."""
+    svc = start_service("verifier", ["--session-ttl-s", "5", "--max-sessions", "1000", "--max-model-len", "256",
+                                     "--log-level", "WARNING"], threads=1)
+    try:
+        with grpc.insecure_channel(svc.address) as ch:
+            stub = pb_grpc.VerifierStub(ch)
+            greedy = pb.SamplingParams(temperature=0.0)
+            sid = stub.OpenSession(pb.OpenSessionRequest()).session_id  # warm up allocator and kernels
+            stub.Verify(pb.VerifyRequest(session_id=sid, append_token_ids=list(range(100, 140)), sampling=greedy))
+            stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+            gc.collect()
+            baseline = _rss_mb(svc.proc.pid)
+            opened = set()
+            for i in range(1000):
+                sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
+                opened.add(sid)
+                if i % 10 == 0:
+                    stub.Verify(pb.VerifyRequest(session_id=sid, append_token_ids=[100 + i % 50] * 8,
+                                                 sampling=greedy))
+            peak = stub.GetStats(pb.StatsRequest())
+            peak_rss = _rss_mb(svc.proc.pid)
+            assert len(opened) == 1000 and peak.live_sessions > 0  # (the oldest may already have expired)
+            deadline = time.monotonic() + 30
+            while stub.GetStats(pb.StatsRequest()).live_sessions and time.monotonic() < deadline:
+                time.sleep(0.5)
+            final = stub.GetStats(pb.StatsRequest())
+            after = _rss_mb(svc.proc.pid)
+        assert final.live_sessions == 0 and final.kv_bytes == 0
+        print(f"RSS baseline {baseline:.0f} MiB, with {peak.live_sessions} live sessions {peak_rss:.0f} MiB "
+              f"(KV reserved {peak.kv_bytes / 2**20:.0f} MiB), after expiry {after:.0f} MiB")
+        assert after <= baseline * 1.10
+    finally:
+        svc.stop()
+
+
+def test_resource_exhausted_when_every_session_is_busy_and_eviction_otherwise():
+    svc = start_service("verifier", ["--max-sessions", "1", "--log-level", "WARNING"], threads=1)
+    try:
+        with grpc.insecure_channel(svc.address) as ch:
+            stub = pb_grpc.VerifierStub(ch)
+            greedy = pb.SamplingParams(temperature=0.0)
+            a = stub.OpenSession(pb.OpenSessionRequest()).session_id
+            long_prompt = [100 + i % 300 for i in range(1500)]  # a prefill long enough to be in flight
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                busy = pool.submit(stub.Verify, pb.VerifyRequest(session_id=a, append_token_ids=long_prompt,
+                                                                 sampling=greedy))
+                time.sleep(0.3)
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.OpenSession(pb.OpenSessionRequest())
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert busy.result().kv_length == len(long_prompt)
+            b = stub.OpenSession(pb.OpenSessionRequest()).session_id  # a is idle now: evicted
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Verify(pb.VerifyRequest(session_id=a, truncate_to=len(long_prompt), append_token_ids=[5],
+                                             sampling=greedy))
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND and "evicted" in err.value.details()
+            assert stub.Verify(pb.VerifyRequest(session_id=b, append_token_ids=[1, 2, 3],
+                                                sampling=greedy)).kv_length == 3
+            assert stub.GetStats(pb.StatsRequest()).evictions == 1
+    finally:
+        svc.stop()
+
+
+def test_onednn_linears_match_the_mkl_path_greedily(target_lm):
+    """--cpu-linear onednn (prepacked oneDNN float32 linears) computes the same model: logits
+    within 1e-3 and the same greedy continuation over 12 steps."""
+    from specdec.models import CausalLM, ModelSpec
+
+    fast = CausalLM(ModelSpec(dtype="float32", cpu_linear="onednn"))
+    ids = target_lm.tokenizer("A short story about a lighthouse keeper:", add_special_tokens=False).input_ids
+    outs = []
+    for lm in (target_lm, fast):
+        slot, seq = lm.new_cache(), list(ids)
+        logits = lm.forward(seq, slot, logits_to_keep=len(seq))
+        first = logits
+        for _ in range(12):
+            seq.append(int(logits[-1].argmax()))
+            logits = lm.forward(seq[-1:], slot, logits_to_keep=1)
+        outs.append((first, seq))
+    assert torch.allclose(outs[0][0], outs[1][0], atol=1e-3)
+    assert outs[0][1] == outs[1][1]
