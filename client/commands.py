@@ -1,4 +1,5 @@
-"""Client-side command bodies behind `specdec generate` (the CLI parses, this runs)."""
+"""Client-side command bodies behind `specdec generate` and `specdec health` (the CLI
+parses, this runs)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,14 @@ def generate_command(args: argparse.Namespace, params) -> int:
 
 def _run_generate(args: argparse.Namespace, params) -> int:
     from client.speculative import SpeculativeClient
+    from specdec.cli import proposal_format
+
+    from specdec_rpc.ops import read_token
 
     with SpeculativeClient(args.verifier, drafter=None if args.target_only else args.drafter,
-                           timeout_s=args.timeout_s) as client:
+                           timeout_s=args.timeout_s, proposal_format=proposal_format(args),
+                           tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                           auth_token=read_token(args.auth_token_file) if args.auth_token_file else None) as client:
         if args.json:
             result = client.generate(args.prompt, params, num_speculative_tokens=args.num_speculative_tokens,
                                      target_only=args.target_only, chat=args.chat)
@@ -39,3 +45,15 @@ def _run_generate(args: argparse.Namespace, params) -> int:
     return 0
 
 
+def health_command(args: argparse.Namespace) -> int:
+    """Print the status; exit 0 only when SERVING (what a container healthcheck needs)."""
+    from specdec_rpc.ops import TLSFiles, check_health
+
+    try:
+        status = check_health(args.address, args.service, timeout_s=args.timeout_s,
+                              tls=TLSFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca))
+    except grpc.RpcError as exc:
+        print(f"specdec health: {args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print(status)
+    return 0 if status == "SERVING" else 1

@@ -18,11 +18,12 @@ import grpc
 
 from specdec.models import ModelSpec, load_tokenizer, tokenizer_fingerprint
 from specdec.proposals import DENSE, IDS_ONLY, ProposalFormat
-from specdec.sampling import SamplingParams
+from specdec.sampling import REJECTION, SamplingParams
 from specdec.serving import ModelInfo
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
 from specdec_rpc.adapters import CHANNEL_OPTIONS, model_info_from_pb, proposal_format_to_pb, sampling_to_pb
+from specdec_rpc.ops import TLSFiles, open_channel
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,16 @@ class GenerationResult:
     verify_time_s: float = 0.0  # time spent in Verify calls (client side)
     token_times_s: list[float] = field(default_factory=list)  # arrival time of each generated token, from start
     target_only: bool = False
+    # One entry per generated token when SamplingParams.logprobs is set: its logprob under
+    # the target's processed distribution, its rank, and the top-N {token id: logprob}.
+    logprobs: list[dict] | None = None
+    proposal_bytes: int = 0  # proposal bytes the drafter sent, summed over rounds
+    # Faults survived. Fallback rounds ran without drafts because the drafter was
+    # unreachable (the output distribution is the same, only slower); every recovery
+    # re-created a verifier session and re-prefilled it from the committed tokens.
+    drafter_failures: int = 0
+    drafter_fallback_rounds: int = 0
+    verifier_recoveries: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -96,17 +107,27 @@ class SpeculativeClient:
         timeout_s: float = 60.0,
         num_speculative_tokens: int = 4,
         proposal_format: ProposalFormat | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        auth_token: str | None = None,
+        recovery_timeout_s: float = 60.0,
     ) -> None:
+        """tls_*: PEM paths (any of them turns TLS on; cert + key for mutual TLS);
+        auth_token: sent as `authorization: Bearer` on every call. recovery_timeout_s: how
+        long a generation keeps retrying a restarting verifier before it fails."""
         self.timeout_s = timeout_s
         self.num_speculative_tokens = num_speculative_tokens
         self.proposal_format = proposal_format
-        self._channels = [grpc.insecure_channel(verifier, options=CHANNEL_OPTIONS)]
+        self.recovery_timeout_s = recovery_timeout_s
+        tls = TLSFiles(cert=tls_cert, key=tls_key, ca=tls_ca)
+        self._channels = [open_channel(verifier, tls=tls, auth_token=auth_token, options=CHANNEL_OPTIONS)]
         self.verifier = pb_grpc.VerifierStub(self._channels[0])
         self.verifier_info = model_info_from_pb(self.verifier.GetModelInfo(pb.ModelInfoRequest(), timeout=timeout_s))
         self.drafter = None
         self.drafter_info: ModelInfo | None = None
         if drafter:
-            self._channels.append(grpc.insecure_channel(drafter, options=CHANNEL_OPTIONS))
+            self._channels.append(open_channel(drafter, tls=tls, auth_token=auth_token, options=CHANNEL_OPTIONS))
             self.drafter = pb_grpc.DrafterStub(self._channels[1])
             self.drafter_info = model_info_from_pb(self.drafter.GetModelInfo(pb.ModelInfoRequest(), timeout=timeout_s))
             check_compatible(self.drafter_info, self.verifier_info)
@@ -192,17 +213,23 @@ class SpeculativeClient:
         t0 = time.perf_counter()
         sampling = sampling_to_pb(params)
         fmt = self.proposal_format or ProposalFormat(kind=IDS_ONLY if params.greedy else DENSE)
+        if params.method != REJECTION:
+            fmt = ProposalFormat(kind=IDS_ONLY)  # greedy and typical acceptance never read q
         fmt_pb = proposal_format_to_pb(fmt)
         eos = set() if params.ignore_eos else set(self.verifier_info.eos_token_ids)
         stop_ids = set(params.stop_token_ids)
         result = GenerationResult(text="", token_ids=[], prompt_token_ids=list(prompt_ids), finish_reason="length",
-                                  target_only=gamma_max == 0)
+                                  target_only=gamma_max == 0, logprobs=[] if params.logprobs is not None else None)
+        prompt_length = len(prompt_ids)
         timeout = self.timeout_s
-        v_sid = self.verifier.OpenSession(pb.OpenSessionRequest(), timeout=timeout).session_id
-        d_sid = self.drafter.OpenSession(pb.OpenSessionRequest(), timeout=timeout).session_id if gamma_max else None
+        # The committed list is the source of truth: a session lost on either side is
+        # replaced by a new one that is re-prefilled from it (kv = [] -> truncate_to = 0).
+        v_sid = self._open_verifier_session()
         committed = list(prompt_ids)
-        drafter_kv: list[int] = []  # tokens the drafter's cache holds
-        verifier_kv: list[int] = []
+        verifier_kv: list[int] = []  # tokens the verifier's cache holds
+        draft_link = _DrafterLink(max_draft_tokens=gamma_max)
+        if gamma_max:
+            self._connect_drafter(draft_link, result, check_info=False)
         emitted_text = ""
         drafter_context = self.drafter_info.max_context if self.drafter_info else 0
         try:
@@ -210,29 +237,28 @@ class SpeculativeClient:
             while not finished:
                 remaining = params.max_tokens - len(result.token_ids)
                 # Never draft more than can be kept: the round emits up to gamma + 1 tokens.
-                gamma = max(0, min(gamma_max, remaining - 1, drafter_context - len(committed)))
+                gamma = max(0, min(draft_link.max_draft_tokens, remaining - 1, drafter_context - len(committed)))
                 drafts: list[int] = []
                 proposal = None
                 if gamma:
-                    keep = _lcp(drafter_kv, committed, len(committed) - 1)
-                    ts = time.perf_counter()
-                    resp = self.drafter.Draft(
-                        pb.DraftRequest(session_id=d_sid, truncate_to=keep, append_token_ids=committed[keep:],
-                                        num_draft_tokens=gamma, sampling=sampling, proposal_format=fmt_pb),
-                        timeout=timeout,
-                    )
-                    result.draft_time_s += time.perf_counter() - ts
-                    drafts = list(resp.draft_token_ids)
-                    proposal = resp.proposal
-                    drafter_kv = committed + drafts[:-1]
-                    _check_kv("drafter", resp.kv_length, len(drafter_kv))
-                keep = _lcp(verifier_kv, committed, len(committed) - 1)
+                    drafts, proposal = self._draft(draft_link, committed, gamma, sampling, fmt_pb, prompt_length,
+                                                   result)
                 ts = time.perf_counter()
-                req = pb.VerifyRequest(session_id=v_sid, truncate_to=keep, append_token_ids=committed[keep:],
-                                       draft_token_ids=drafts, sampling=sampling)
-                if proposal is not None:
-                    req.proposal.CopyFrom(proposal)
-                vresp = self.verifier.Verify(req, timeout=timeout)
+                while True:
+                    keep = _lcp(verifier_kv, committed, len(committed) - 1)
+                    req = pb.VerifyRequest(session_id=v_sid, truncate_to=keep, append_token_ids=committed[keep:],
+                                           draft_token_ids=drafts, sampling=sampling, prompt_length=prompt_length)
+                    if proposal is not None:
+                        req.proposal.CopyFrom(proposal)
+                    try:
+                        vresp = self.verifier.Verify(req, timeout=timeout)
+                        break
+                    except grpc.RpcError as exc:
+                        if exc.code() not in _VERIFIER_LOST:
+                            raise
+                        # The drafts stay valid: they were proposed for `committed`, which is unchanged.
+                        v_sid, verifier_kv = self._recover_verifier(exc, v_sid), []
+                        result.verifier_recoveries += 1
                 now = time.perf_counter()
                 result.verify_time_s += now - ts
                 out = list(vresp.output_token_ids)
@@ -244,11 +270,17 @@ class SpeculativeClient:
                 log.debug("round=%d drafts=%d accepted=%d", result.num_rounds, len(drafts), vresp.num_accepted)
 
                 new: list[int] = []
-                for tok in out:
+                for i, tok in enumerate(out):
                     new.append(tok)
                     committed.append(tok)
                     result.token_ids.append(tok)
                     result.token_times_s.append(now - t0)
+                    if result.logprobs is not None and i < len(vresp.logprobs):
+                        lp = vresp.logprobs[i]
+                        result.logprobs.append({"token_id": tok, "logprob": lp.logprob, "rank": lp.rank,
+                                                "top_logprobs": dict(zip(lp.top_token_ids, lp.top_logprobs))})
+                    if len(result.token_ids) < params.min_tokens:
+                        continue  # vLLM checks no stop condition before min_tokens
                     if tok in eos or tok in stop_ids:
                         result.finish_reason, finished = "stop", True
                     elif len(result.token_ids) >= params.max_tokens:
@@ -256,7 +288,8 @@ class SpeculativeClient:
                     if finished:
                         break
                 text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-                cut = _find_stop(text, params.stop, len(emitted_text))
+                stops = params.stop if len(result.token_ids) >= params.min_tokens else ()
+                cut = _find_stop(text, stops, len(emitted_text))
                 if cut is not None:
                     text, finished, result.finish_reason = text[:cut], True, "stop"
                 if not result.ttft_s:
@@ -272,14 +305,144 @@ class SpeculativeClient:
                     yield StreamChunk(token_ids=new, text=delta)
         finally:
             self._close_quietly(self.verifier, v_sid)
-            if d_sid:
-                self._close_quietly(self.drafter, d_sid)
+            if draft_link.session_id:
+                self._close_quietly(self.drafter, draft_link.session_id)
+
+    # ---- fault tolerance ------------------------------------------------------------
+
+    def _draft(self, link: "_DrafterLink", committed: list[int], gamma: int, sampling: pb.SamplingParams,
+               fmt_pb: pb.ProposalFormat, prompt_length: int,
+               result: GenerationResult) -> tuple[list[int], pb.Proposal | None]:
+        """This round's drafts and their proposal, or none while the drafter is unreachable:
+        the round is then a target-only step, which leaves the output distribution as it is."""
+        if link.session_id is None and (time.monotonic() < link.retry_at or not self._connect_drafter(link, result)):
+            result.drafter_fallback_rounds += 1
+            return [], None
+        keep = _lcp(link.kv, committed, len(committed) - 1)
+        ts = time.perf_counter()
+        try:
+            resp = self.drafter.Draft(
+                pb.DraftRequest(session_id=link.session_id, truncate_to=keep, append_token_ids=committed[keep:],
+                                num_draft_tokens=min(gamma, link.max_draft_tokens), sampling=sampling,
+                                proposal_format=fmt_pb, prompt_length=prompt_length),
+                timeout=self.timeout_s,
+            )
+        except grpc.RpcError as exc:
+            if exc.code() not in _DRAFTER_LOST:
+                raise
+            log.warning("drafter lost session=%s code=%s details=%r; target-only rounds until it is back",
+                        link.session_id, exc.code().name, exc.details())
+            result.drafter_failures += 1
+            result.drafter_fallback_rounds += 1
+            # NOT_FOUND (restarted, evicted, expired): the drafter is there, reconnect next round.
+            link.lost(immediate=exc.code() == grpc.StatusCode.NOT_FOUND)
+            return [], None
+        finally:
+            result.draft_time_s += time.perf_counter() - ts
+        drafts = list(resp.draft_token_ids)
+        result.proposal_bytes += len(resp.proposal.probs) + len(resp.proposal.token_ids)
+        link.kv = committed + drafts[:-1]
+        _check_kv("drafter", resp.kv_length, len(link.kv))
+        return drafts, resp.proposal
+
+    def _connect_drafter(self, link: "_DrafterLink", result: GenerationResult, check_info: bool = True) -> bool:
+        """Open a drafter session (after a failure: re-check the drafter, whose next Draft
+        re-prefills all committed tokens). False, with the next try scheduled, if it fails."""
+        short = min(self.timeout_s, 5.0)
+        try:
+            if check_info:
+                info = model_info_from_pb(self.drafter.GetModelInfo(pb.ModelInfoRequest(), timeout=short))
+                check_compatible(info, self.verifier_info)
+                link.max_draft_tokens = min(link.max_draft_tokens, info.max_draft_tokens)
+            link.session_id = self.drafter.OpenSession(pb.OpenSessionRequest(), timeout=short).session_id
+        except grpc.RpcError as exc:
+            if exc.code() not in _DRAFTER_LOST:
+                raise
+            log.info("drafter unavailable code=%s; retry in %.2f s", exc.code().name, link.backoff_s)
+            result.drafter_failures += 1
+            link.lost(immediate=False)
+            return False
+        except IncompatibleModels as exc:
+            log.error("the restarted drafter no longer fits the verifier (%s); target-only from here", exc)
+            link.lost(immediate=False)
+            link.retry_at = float("inf")
+            return False
+        if check_info:
+            log.info("drafter back session=%s; speculation resumes", link.session_id)
+        link.kv, link.backoff_s = [], _BACKOFF_MIN_S
+        return True
+
+    def _open_verifier_session(self) -> str:
+        try:
+            return self.verifier.OpenSession(pb.OpenSessionRequest(), timeout=self.timeout_s).session_id
+        except grpc.RpcError as exc:
+            if exc.code() not in _VERIFIER_LOST:
+                raise
+            return self._recover_verifier(exc, None)
+
+    def _recover_verifier(self, error: grpc.RpcError, lost_session: str | None) -> str:
+        """A new verifier session once the verifier answers again (retrying with backoff for
+        up to recovery_timeout_s, then re-raising `error`). The caller re-prefills it."""
+        log.warning("verifier lost session=%s code=%s details=%r; reconnecting for up to %.0f s",
+                    lost_session, error.code().name, error.details(), self.recovery_timeout_s)
+        deadline = time.monotonic() + self.recovery_timeout_s
+        delay = 0.0 if error.code() == grpc.StatusCode.NOT_FOUND else _BACKOFF_MIN_S
+        short = min(self.timeout_s, 5.0)
+        while True:
+            time.sleep(delay)
+            try:
+                info = model_info_from_pb(self.verifier.GetModelInfo(pb.ModelInfoRequest(), timeout=short))
+                if (info.model, info.vocab_size, info.tokenizer_fingerprint) != (
+                        self.verifier_info.model, self.verifier_info.vocab_size,
+                        self.verifier_info.tokenizer_fingerprint):
+                    raise IncompatibleModels(f"the verifier came back as {info.model}, not {self.verifier_info.model}")
+                session_id = self.verifier.OpenSession(pb.OpenSessionRequest(), timeout=short).session_id
+            except grpc.RpcError as again:
+                if again.code() not in _VERIFIER_LOST:
+                    raise
+                delay = min(max(2 * delay, _BACKOFF_MIN_S), _BACKOFF_MAX_S)
+                if time.monotonic() + delay > deadline:
+                    raise error from again
+                continue
+            log.info("verifier back session=%s; re-prefilling", session_id)
+            return session_id
 
     def _close_quietly(self, stub, session_id: str) -> None:
         try:
             stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=min(self.timeout_s, 5.0))
         except grpc.RpcError as exc:  # the session expires on the server anyway
-            log.warning("CloseSession %s failed: %s", session_id, exc.code())
+            # After a restart or an eviction the session is simply gone: nothing to report.
+            expected = exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
+            log.log(logging.DEBUG if expected else logging.WARNING, "CloseSession %s failed: %s", session_id,
+                    exc.code())
+
+
+# Status codes after which a side's session is gone or its server unreachable. Anything
+# else (INVALID_ARGUMENT, ...) is a wrong request and propagates. The drafter also falls
+# back when it is full (RESOURCE_EXHAUSTED): drafts are optional, the verifier is not.
+_DRAFTER_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND,
+                           grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED})
+_VERIFIER_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                            grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED})
+_BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.25, 4.0
+
+
+@dataclass
+class _DrafterLink:
+    """The drafter side of one generation: its session (None while the drafter is
+    unreachable), the tokens its KV cache holds, and when to try it again."""
+
+    max_draft_tokens: int
+    session_id: str | None = None
+    kv: list[int] = field(default_factory=list)
+    retry_at: float = 0.0  # time.monotonic() of the next reconnect
+    backoff_s: float = _BACKOFF_MIN_S
+
+    def lost(self, immediate: bool) -> None:
+        self.session_id, self.kv = None, []
+        self.retry_at = time.monotonic() + (0.0 if immediate else self.backoff_s)
+        if not immediate:
+            self.backoff_s = min(2 * self.backoff_s, _BACKOFF_MAX_S)
 
 
 def _check_kv(role: str, reported: int, expected: int) -> None:

@@ -22,6 +22,7 @@ class DrafterServicer(SessionMethods, pb_grpc.DrafterServicer):
 
     @rpc_method
     def Draft(self, request, context):
+        self.authorize(request.session_id, context)  # someone else's session is NOT_FOUND
         params = sampling_from_pb(request.sampling)
         out = self.engine.draft(
             request.session_id,
@@ -30,6 +31,7 @@ class DrafterServicer(SessionMethods, pb_grpc.DrafterServicer):
             request.num_draft_tokens,
             params,
             proposal_format_from_pb(request.proposal_format, params.greedy),
+            prompt_length=request.prompt_length,
         )
         return pb.DraftResponse(
             draft_token_ids=out.draft_token_ids, proposal=proposal_to_pb(out.proposal), kv_length=out.kv_length
@@ -40,8 +42,9 @@ def start(engine: DrafterEngine, host: str = "127.0.0.1", port: int = 0, **kwarg
     return serve(engine, lambda s: pb_grpc.add_DrafterServicer_to_server(DrafterServicer(engine), s), host, port, **kwargs)
 
 
-def run(engine: DrafterEngine, host: str, port: int, grace_s: float = 5.0) -> None:
-    """Serve until SIGINT / SIGTERM (prints the bound address first)."""
-    server, _ = start(engine, host, port)
+def run(engine: DrafterEngine, host: str, port: int, grace_s: float = 5.0, **serve_kwargs) -> None:
+    """Serve until SIGINT / SIGTERM (prints the bound address first); serve_kwargs: TLS,
+    auth and metrics options of adapters.serve."""
+    server, _ = start(engine, host, port, **serve_kwargs)
     run_until_signal(server, grace_s)
     engine.shutdown()

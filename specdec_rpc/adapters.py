@@ -18,6 +18,9 @@ from specdec.proposals import DENSE, IDS_ONLY, SPARSE, Proposal, ProposalFormat
 from specdec.sampling import SamplingParams
 from specdec.serving import ModelInfo, ServingModel
 from specdec_rpc import specdec_pb2 as pb
+from specdec_rpc.ops import (
+    SERVER_OPTIONS, ServerOps, TLSFiles, caller_owner, load_tokens, server_credentials, wrap_stop,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,22 +71,36 @@ def rpc_method(method: Callable) -> Callable:
 # ---- sampling params --------------------------------------------------------------------
 
 
+_METHOD_TO_PB = {"rejection": pb.REJECTION_SAMPLER, "greedy": pb.GREEDY, "typical": pb.TYPICAL_ACCEPTANCE_SAMPLER}
+_METHOD_FROM_PB = {v: k for k, v in _METHOD_TO_PB.items()}
+# Optional scalar fields that travel as-is (unset = the SamplingParams default).
+_SCALAR_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "min_tokens", "ignore_eos", "logprobs", "posterior_threshold",
+                  "posterior_alpha")
+
+
 def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
-    msg = pb.SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
-    if params.seed is not None:
-        msg.seed = params.seed
+    msg = pb.SamplingParams(stop_token_ids=list(params.stop_token_ids),
+                            acceptance_method=_METHOD_TO_PB[params.acceptance_method])
+    defaults = SamplingParams()
+    for name in _SCALAR_FIELDS:
+        value = getattr(params, name)
+        if value is not None and (name in ("temperature",) or value != getattr(defaults, name)):
+            setattr(msg, name, value)
     return msg
 
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     """Unset fields take vLLM's defaults; invalid values raise InvalidArgument naming the field."""
-    return SamplingParams(
-        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
-        top_k=msg.top_k if msg.HasField("top_k") else 0,
-        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-        min_p=msg.min_p if msg.HasField("min_p") else 0.0,
-        seed=msg.seed if msg.HasField("seed") else None,
-    )
+    kwargs = {name: getattr(msg, name) for name in _SCALAR_FIELDS if msg.HasField(name)}
+    if msg.acceptance_method != pb.ACCEPTANCE_METHOD_UNSPECIFIED:
+        method = _METHOD_FROM_PB.get(msg.acceptance_method)
+        if method is None:
+            raise InvalidArgument("sampling.acceptance_method", f"unknown value {msg.acceptance_method}")
+        kwargs["acceptance_method"] = method
+    # max_tokens is the client's business; never let its default reject a valid min_tokens.
+    kwargs["max_tokens"] = max(1, kwargs.get("min_tokens", 1))
+    return SamplingParams(stop_token_ids=tuple(msg.stop_token_ids), **kwargs)
 
 
 # ---- proposals ----------------------------------------------------------------------------
@@ -163,9 +180,16 @@ def model_info_from_pb(msg: pb.ModelInfo) -> ModelInfo:
 
 
 class SessionMethods:
-    """GetModelInfo / OpenSession / CloseSession over `self.engine` (a ServingModel)."""
+    """GetModelInfo / OpenSession / CloseSession over `self.engine` (a ServingModel).
+
+    A session belongs to the credential that opened it (`caller_owner`); the services'
+    own methods call `authorize` before touching a session.
+    """
 
     engine: ServingModel
+
+    def authorize(self, session_id: str, context) -> None:
+        self.engine.sessions.authorize(session_id, caller_owner(context))
 
     @rpc_method
     def GetModelInfo(self, request, context):
@@ -173,11 +197,11 @@ class SessionMethods:
 
     @rpc_method
     def OpenSession(self, request, context):
-        return pb.OpenSessionResponse(session_id=self.engine.open_session())
+        return pb.OpenSessionResponse(session_id=self.engine.open_session(owner=caller_owner(context)))
 
     @rpc_method
     def CloseSession(self, request, context):
-        self.engine.close_session(request.session_id)
+        self.engine.close_session(request.session_id, owner=caller_owner(context))
         return pb.CloseSessionResponse()
 
     @rpc_method
@@ -196,18 +220,41 @@ def serve(
     *,
     max_workers: int = 16,
     announce: bool = True,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    tls_ca: str | None = None,
+    auth_token_file: str | None = None,
+    metrics_port: int = 0,
 ) -> tuple[grpc.Server, int]:
-    """Start a server on host:port (0 = any free port); returns (server, bound port)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+    """Start a server on host:port (0 = any free port); returns (server, bound port).
+
+    Also serves grpc.health.v1 (SERVING from here on, NOT_SERVING while draining),
+    reflection, and Prometheus metrics on metrics_port (0 = off). TLS with tls_cert +
+    tls_key (PEM paths), mutual TLS when tls_ca is also given; bearer tokens (one per
+    line of auth_token_file) when given. `server.stop(grace)` drains first (ops.wrap_stop).
+    """
+    tls = TLSFiles(cert=tls_cert, key=tls_key, ca=tls_ca)
+    auth_tokens = tuple(load_tokens(auth_token_file)) if auth_token_file else ()
+    ops = ServerOps(engine, auth_tokens=auth_tokens, metrics_port=metrics_port)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                         options=CHANNEL_OPTIONS + SERVER_OPTIONS, interceptors=ops.interceptors())
     add_servicer(server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    ops.install(server)
+    address = f"{host}:{port}"
+    if tls.enabled:
+        bound = server.add_secure_port(address, server_credentials(tls))
+    else:
+        bound = server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     server.start()
+    metrics_bound = ops.start(host)
     _start_reaper(engine, server)
+    wrap_stop(server, ops)
     if announce:
         # Scripts and tests read this line to learn the port.
-        print(f"{engine.role} listening on {host}:{bound} model={engine.info.model}", flush=True)
+        print(f"{engine.role} listening on {host}:{bound} model={engine.info.model} tls={tls.enabled} "
+              f"mtls={bool(tls.enabled and tls.ca)} auth={bool(auth_tokens)} metrics_port={metrics_bound}", flush=True)
     return server, bound
 
 
@@ -233,9 +280,11 @@ def _start_reaper(engine: ServingModel, server: grpc.Server) -> None:
 
 
 def run_until_signal(server: grpc.Server, grace_s: float = 5.0) -> None:
-    """Block until SIGINT / SIGTERM, then stop accepting calls and let in-flight ones finish."""
+    """Block until SIGINT / SIGTERM, then drain: NOT_SERVING, new calls UNAVAILABLE,
+    in-flight calls (a round each) finish; returns within about grace_s."""
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
+    log.info("shutdown signal received; draining for up to %.1f s", grace_s)
     server.stop(grace_s).wait()

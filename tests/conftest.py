@@ -38,6 +38,24 @@ def int8_drafter_proc():
 
 
 @pytest.fixture(scope="session")
+def client(verifier_proc, drafter_proc):
+    """A client of the default pair (float16 drafter, acceptance ~1)."""
+    from client.speculative import SpeculativeClient
+
+    with SpeculativeClient(verifier_proc.address, drafter=drafter_proc.address) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def int8_client(verifier_proc, int8_drafter_proc):
+    """A client of the low-acceptance pair, so rejections happen."""
+    from client.speculative import SpeculativeClient
+
+    with SpeculativeClient(verifier_proc.address, drafter=int8_drafter_proc.address) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
 def target_lm():
     from specdec.models import CausalLM, ModelSpec
 

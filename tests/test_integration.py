@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from client.speculative import IncompatibleModels, SpeculativeClient, check_compatible
+from client.speculative import IncompatibleModels, check_compatible
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.serving import ModelInfo
 from specdec_rpc import specdec_pb2 as pb
@@ -20,18 +20,6 @@ from tests.conftest import chi_square_pvalue
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,"]
 GREEDY = pb.SamplingParams(temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def client(verifier_proc, drafter_proc):
-    with SpeculativeClient(verifier_proc.address, drafter=drafter_proc.address) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def int8_client(verifier_proc, int8_drafter_proc):
-    with SpeculativeClient(verifier_proc.address, drafter=int8_drafter_proc.address) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

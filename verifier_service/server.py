@@ -14,6 +14,7 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
 
     @rpc_method
     def Verify(self, request, context):
+        self.authorize(request.session_id, context)  # someone else's session is NOT_FOUND
         out = self.engine.verify(
             request.session_id,
             request.truncate_to,
@@ -21,9 +22,12 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
             list(request.draft_token_ids),
             proposal_from_pb(request.proposal, request.HasField("proposal")),
             sampling_from_pb(request.sampling),
+            prompt_length=request.prompt_length,
         )
         return pb.VerifyResponse(
-            output_token_ids=out.output_token_ids, num_accepted=out.num_accepted, kv_length=out.kv_length
+            output_token_ids=out.output_token_ids, num_accepted=out.num_accepted, kv_length=out.kv_length,
+            logprobs=[pb.TokenLogprobs(logprob=lp.logprob, rank=lp.rank, top_token_ids=lp.top_token_ids,
+                                       top_logprobs=lp.top_logprobs) for lp in out.logprobs or []],
         )
 
 
@@ -31,8 +35,9 @@ def start(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0, **kwar
     return serve(engine, lambda s: pb_grpc.add_VerifierServicer_to_server(VerifierServicer(engine), s), host, port, **kwargs)
 
 
-def run(engine: VerifierEngine, host: str, port: int, grace_s: float = 5.0) -> None:
-    """Serve until SIGINT / SIGTERM (prints the bound address first)."""
-    server, _ = start(engine, host, port)
+def run(engine: VerifierEngine, host: str, port: int, grace_s: float = 5.0, **serve_kwargs) -> None:
+    """Serve until SIGINT / SIGTERM (prints the bound address first); serve_kwargs: TLS,
+    auth and metrics options of adapters.serve."""
+    server, _ = start(engine, host, port, **serve_kwargs)
     run_until_signal(server, grace_s)
     engine.shutdown()
