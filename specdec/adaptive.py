@@ -1,0 +1,70 @@
+"""Adaptive γ: choose each round's number of drafts to maximise expected tokens per second.
+
+With per-token acceptance α (drafts accepted independently, as in Leviathan et al.), a
+round with γ drafts emits E(γ) = (1 − α^(γ+1)) / (1 − α) tokens on average and costs
+γ·c_draft + c_verify seconds, so the controller picks
+
+    γ* = argmax_{γ_min <= γ <= γ_max}  E(γ) / (γ·c_draft + c_verify)
+
+from exponentially decayed estimates of α and of the two costs, measured each round.
+α is estimated from the accepted prefixes: a round that accepted a of k drafts saw a
+successes and, when a < k, one failure (the maximum-likelihood estimate for a geometric
+prefix). Until the costs are measured the controller proposes γ_max.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """E(γ): expected tokens emitted by one round (accepted drafts + the bonus / recovered)."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class AdaptiveGamma:
+    gamma_min: int = 1
+    gamma_max: int = 8
+    decay: float = 0.8  # weight of the past in each estimate; lower reacts faster
+    prior_alpha: float = 0.8
+    prior_weight: float = 2.0  # pseudo-trials behind the prior
+    _successes: float = 0.0
+    _trials: float = 0.0
+    _c_draft: float | None = None  # seconds per drafted token
+    _c_verify: float | None = None  # seconds per verify round
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.gamma_min <= self.gamma_max:
+            raise ValueError(f"need 0 <= gamma_min <= gamma_max, got {self.gamma_min}, {self.gamma_max}")
+        self._successes = self.prior_alpha * self.prior_weight
+        self._trials = self.prior_weight
+
+    @property
+    def alpha(self) -> float:
+        return self._successes / self._trials if self._trials else self.prior_alpha
+
+    def update(self, proposed: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        """Record one round: `accepted` of `proposed` drafts, and its measured costs."""
+        if proposed <= 0:
+            return
+        failures = 1 if accepted < proposed else 0
+        self._successes = self.decay * self._successes + accepted
+        self._trials = self.decay * self._trials + accepted + failures
+        per_token = draft_s / proposed
+        self._c_draft = per_token if self._c_draft is None else self.decay * self._c_draft + (1 - self.decay) * per_token
+        self._c_verify = verify_s if self._c_verify is None else self.decay * self._c_verify + (1 - self.decay) * verify_s
+
+    def next_gamma(self, limit: int | None = None) -> int:
+        """The γ with the highest expected tokens per second, within [gamma_min, min(gamma_max, limit)]."""
+        hi = self.gamma_max if limit is None else max(self.gamma_min, min(self.gamma_max, limit))
+        if self._c_draft is None or self._c_verify is None:
+            return hi
+        alpha = self.alpha
+
+        def rate(g: int) -> float:
+            return expected_tokens(alpha, g) / (g * self._c_draft + self._c_verify)
+
+        return max(range(self.gamma_min, hi + 1), key=rate)

@@ -1,0 +1,55 @@
+"""Unit tests of the n-gram proposer and the adaptive-γ controller (pure logic)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specdec.adaptive import AdaptiveGamma, expected_tokens
+from specdec.ngram import ngram_propose
+
+
+def test_ngram_prefers_the_longest_recent_match():
+    seq = [1, 2, 3, 9, 9, 2, 3, 7, 7, 1, 2, 3]
+    # suffix 1 2 3 recurs at 0 (followed by 9 9): longer match wins over "2 3" at 5 (followed by 7 7)
+    assert ngram_propose(seq, 2) == [9, 9]
+    assert ngram_propose(seq, 2, n_max=2) == [7, 7]  # only bigrams: the most recent "2 3"
+    assert ngram_propose([4, 5, 6], 3) == []  # nothing recurs
+    assert ngram_propose([4, 5, 4], 5) == [5, 4]  # stops at the end of the sequence
+    assert ngram_propose(seq, 0) == []
+
+
+def test_expected_tokens_formula():
+    assert expected_tokens(1.0, 4) == 5
+    assert expected_tokens(0.0, 4) == 1
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_controller_stays_in_bounds_and_tracks_acceptance_changes():
+    """Synthetic rounds: acceptance 0.95 for 60 rounds, then 0.2: γ starts high and falls."""
+    rng = random.Random(0)
+    ctl = AdaptiveGamma(gamma_min=1, gamma_max=8)
+    assert ctl.next_gamma() == 8  # no costs yet
+    history = []
+    for rnd in range(120):
+        alpha = 0.95 if rnd < 60 else 0.2
+        g = ctl.next_gamma()
+        assert 1 <= g <= 8
+        accepted = 0
+        while accepted < g and rng.random() < alpha:
+            accepted += 1
+        ctl.update(g, accepted, draft_s=0.01 * g, verify_s=0.05)
+        history.append(g)
+    assert min(history[40:60]) >= 6  # high acceptance, cheap drafts: long rounds
+    assert max(history[100:]) <= 3  # after the drop it shortens the rounds
+    assert ctl.alpha < 0.5
+    assert ctl.next_gamma(limit=2) <= 2
+
+
+def test_controller_matches_brute_force_optimum():
+    ctl = AdaptiveGamma(gamma_min=1, gamma_max=8, decay=0.0)
+    ctl.update(4, 2, draft_s=0.04, verify_s=0.1)  # alpha = 2/3, c_draft 0.01, c_verify 0.1
+    alpha = 2 / 3
+    best = max(range(1, 9), key=lambda g: expected_tokens(alpha, g) / (0.01 * g + 0.1))
+    assert ctl.next_gamma() == best
