@@ -244,6 +244,7 @@ class SpeculativeClient:
                     drafts, proposal = self._draft(draft_link, committed, gamma, sampling, fmt_pb, prompt_length,
                                                    result)
                 ts = time.perf_counter()
+                give_up = time.monotonic() + self.recovery_timeout_s  # bounds the retries of this round
                 while True:
                     keep = _lcp(verifier_kv, committed, len(committed) - 1)
                     req = pb.VerifyRequest(session_id=v_sid, truncate_to=keep, append_token_ids=committed[keep:],
@@ -254,8 +255,9 @@ class SpeculativeClient:
                         vresp = self.verifier.Verify(req, timeout=timeout)
                         break
                     except grpc.RpcError as exc:
-                        if exc.code() not in _VERIFIER_LOST:
+                        if exc.code() not in _VERIFIER_LOST or time.monotonic() > give_up:
                             raise
+                        self._close_quietly(self.verifier, v_sid)  # e.g. after a deadline it may still exist
                         # The drafts stay valid: they were proposed for `committed`, which is unchanged.
                         v_sid, verifier_kv = self._recover_verifier(exc, v_sid), []
                         result.verifier_recoveries += 1

@@ -302,7 +302,10 @@ class CausalLM:
     def forward_rows(self, rows: list[Row]) -> list[torch.Tensor]:
         """One batched forward: each row appends its tokens to its cache; returns per row
         the logits [keep, V] float32 of its last `keep` positions."""
-        if self.slots is not None and all(isinstance(r.slot, KVSlot) for r in rows):
+        # Dynamic int8 quantization scales activations per tensor, i.e. over every row of a
+        # batch: batched rows would change each other's logits, and seeded output would
+        # depend on batch composition. Quantized models therefore run one row at a time.
+        if self.slots is not None and all(isinstance(r.slot, KVSlot) for r in rows) and not self.spec.quantize:
             logits = self.slots.forward(rows)
             return list(torch.split(logits, [r.keep for r in rows]))
         return [self.forward(r.token_ids, r.slot, logits_to_keep=r.keep) for r in rows]

@@ -197,3 +197,44 @@ def test_onednn_linears_match_the_mkl_path_greedily(target_lm):
         outs.append((first, seq))
     assert torch.allclose(outs[0][0], outs[1][0], atol=1e-3)
     assert outs[0][1] == outs[1][1]
+
+
+def test_evicted_session_is_reprefilled_and_the_output_is_unchanged():
+    """--max-sessions 2 and another client opening sessions while ours pauses between
+    rounds: ours is evicted (LRU), gets NOT_FOUND 'evicted', re-opens, re-prefills the
+    committed tokens, and its greedy output equals the undisturbed one."""
+    from client.speculative import SpeculativeClient
+
+    svc = start_service("verifier", ["--max-sessions", "2", "--log-level", "WARNING"], threads=1)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        with SpeculativeClient(svc.address) as c:
+            expected = c.generate(PROMPTS[4], params, target_only=True).token_ids
+            stop = threading.Event()
+
+            def churn():
+                with grpc.insecure_channel(svc.address) as ch:
+                    stub = pb_grpc.VerifierStub(ch)
+                    while not stop.is_set():
+                        try:
+                            stub.OpenSession(pb.OpenSessionRequest(), timeout=10)
+                        except grpc.RpcError:
+                            pass  # RESOURCE_EXHAUSTED while both sessions are busy
+                        time.sleep(0.02)
+
+            churner = threading.Thread(target=churn)
+            churner.start()
+            try:
+                chunks = []
+                for chunk in c.stream(PROMPTS[4], params, target_only=True):
+                    chunks.append(chunk)
+                    time.sleep(0.15)  # idle between rounds: the least recently used session
+            finally:
+                stop.set()
+                churner.join()
+            result = chunks[-1].result
+            assert result.token_ids == expected
+            assert result.verifier_recoveries >= 1
+            assert _stats(svc.address, "verifier").evictions >= 1
+    finally:
+        svc.stop()

@@ -135,8 +135,8 @@ def test_ideal_speedup_model():
     assert expected_tokens_per_round(1.0, 4) == 5.0
     assert expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
     spec = {"acceptance_rate": 1.0, "mean_draft_time_per_token_ms": 1.0, "mean_verify_time_per_round_ms": 12.0,
-            "output_throughput": 30.0}
-    base = {"mean_verify_time_per_round_ms": 10.0, "output_throughput": 10.0}
+            "output_tokens_per_request_s": 30.0}
+    base = {"mean_verify_time_per_round_ms": 10.0, "output_tokens_per_request_s": 10.0}
     out = efficiency(spec, base, gamma=4)
     assert out["ideal_speedup"] == pytest.approx(5 * 10.0 / (4 * 1.0 + 12.0))
     assert out["measured_speedup"] == pytest.approx(3.0)
@@ -153,6 +153,7 @@ def test_duration_limit_stops_the_run_by_itself(drafter_proc, verifier_proc, tmp
            "--request-rate", "0.1", "--duration-limit-s", "3", "--warmup-requests", "0", "--result-json", str(out))
     assert time.monotonic() - start < 20
     res = json.loads(out.read_text())
+    assert res["duration"] < 3 + 3  # the run itself stopped at the limit, not at the last arrival (10.4 s)
     assert res["completed"] + res["failed"] == 4
     assert any(r["error"] == "not sent: duration limit reached" for r in res["per_request"])
 

@@ -168,6 +168,12 @@ def _serve(args: argparse.Namespace) -> int:
         from client.bench.plot import plot_serve
 
         plot_serve(result, args.plot)
+    if baseline is not None:
+        differs = [k for k in ("dataset", "num_prompts", "sampling", "request_rate", "max_concurrency", "seed", "chat")
+                   if baseline.get(k) != result.get(k)]
+        if differs:
+            raise ValueError(f"--baseline-json ran a different workload ({', '.join(differs)} differ); "
+                             "its speedup and efficiency would be meaningless")
     return 0 if result["completed"] else 1
 
 

@@ -165,7 +165,8 @@ def format_peer(result: dict) -> str:
     for r in result["rows"]:
         gamma = "-" if r["num_speculative_tokens"] is None else str(r["num_speculative_tokens"])
         accept = "n/a" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.3f}"
+        speedup = "n/a" if r["speedup_vs_hf_target"] is None else f"{r['speedup_vs_hf_target']:.2f}x"
         lines.append(f"{r['system']:<26}{gamma:>6}{r['tokens']:>8}{r['seconds']:>9.2f}{r['tokens_per_s']:>8.2f}"
-                     f"{r['speedup_vs_hf_target']:>12.2f}x{accept:>8}"
+                     f"{speedup:>13}{accept:>8}"
                      f"{str(r['prompts_identical_to_hf_target']) + '/' + str(n):>19}")
     return "\n".join(lines)

@@ -34,8 +34,11 @@ System efficiency = measured speedup / ideal speedup, with
 time per drafted token (= Draft time per round / γ when every round drafts γ; this form
 does not count the short final rounds as cheap full ones), c_verify the Verify time per
 round of the speculative run, c_target the Verify time per token (= per round) of a
-target-only run of the same workload, and measured speedup = speculative output
-throughput / target-only output throughput. Without a target-only run it is null.
+target-only run of the same workload, and measured speedup = the ratio of
+`output_tokens_per_request_s` (output tokens / summed request latency), which stays
+meaningful per category and at a finite request rate, where both modes merely keep up
+with the arrivals and the run's throughput ratio would be ~1. Without a target-only run
+it is null.
 
 Per-category metrics use the whole run's duration, so a category's throughput is its
 share of the run's throughput (the categories add up to the total).
@@ -365,6 +368,9 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float,
         "total_output_tokens": total_out,
         "request_throughput": _ratio(len(ok), duration) or 0.0,
         "output_throughput": _ratio(total_out, duration) or 0.0,
+        # Tokens per second of a request's own life (sum over requests): the speedup basis,
+        # meaningful per category and at any request rate, unlike the run's throughput.
+        "output_tokens_per_request_s": _ratio(total_out, sum(r.e2el for r in ok)),
         "total_token_throughput": _ratio(total_in + total_out, duration) or 0.0,
     }
     out.update(_summary("ttft", [r.ttft for r in ok]))
@@ -409,10 +415,10 @@ def efficiency(spec: dict, base: dict | None, gamma: int) -> dict[str, float | N
     c_draft = spec.get("mean_draft_time_per_token_ms")
     c_verify = spec.get("mean_verify_time_per_round_ms")
     c_target = base.get("mean_verify_time_per_round_ms")
-    if None in (alpha, c_draft, c_verify, c_target) or not gamma or not base.get("output_throughput"):
+    if None in (alpha, c_draft, c_verify, c_target) or not gamma or not base.get("output_tokens_per_request_s"):
         return none
     ideal = expected_tokens_per_round(alpha, gamma) * c_target / (gamma * c_draft + c_verify)
-    measured = spec["output_throughput"] / base["output_throughput"]
+    measured = (spec.get("output_tokens_per_request_s") or 0.0) / base["output_tokens_per_request_s"]
     return {"ideal_speedup": ideal, "measured_speedup": measured, "system_efficiency": measured / ideal}
 
 
@@ -436,7 +442,7 @@ def run_serve(config: WorkloadConfig, client: SpeculativeClient | None = None,
     if client is None:
         client = SpeculativeClient(config.verifier, drafter=None if config.target_only else config.drafter,
                                    num_speculative_tokens=config.num_speculative_tokens,
-                                   timeout_s=_call_timeout(config))
+                                   timeout_s=_call_timeout(config), recovery_timeout_s=_call_timeout(config))
     try:
         gamma = 0 if config.target_only else _effective_gamma(client, config.num_speculative_tokens)
         requests = build_requests(client, config)
@@ -594,8 +600,8 @@ def accepted_per_round(results: Iterable[dict], gamma: int) -> list[int]:
     counts = []
     for res in results:
         for r in res["per_request"]:
-            if r["error"] is not None:
-                continue
-            drafts = r["drafts_per_round"] or [gamma] * len(r["accepted_per_round"])
+            if r["error"] is not None or not r["drafts_per_round"]:
+                continue  # unknown drafts per round (fallback rounds, EOS): cannot tell full rounds
+            drafts = r["drafts_per_round"]
             counts += [a for a, d in zip(r["accepted_per_round"], drafts) if d == gamma]
     return counts

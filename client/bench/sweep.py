@@ -8,7 +8,7 @@ import math
 from datetime import datetime, timezone
 from typing import Sequence
 
-from client.bench.serve import WorkloadConfig, _json_rate, add_efficiency, run_serve
+from client.bench.serve import _call_timeout, WorkloadConfig, _json_rate, add_efficiency, run_serve
 from client.speculative import SpeculativeClient
 
 
@@ -44,7 +44,8 @@ def run_sweep(base: WorkloadConfig, concurrency: Sequence[int] = (), request_rat
 
     points = []
     with SpeculativeClient(base.verifier, drafter=base.drafter, num_speculative_tokens=base.num_speculative_tokens,
-                           timeout_s=base.timeout_s) as client:
+                           timeout_s=_call_timeout(base),
+                           recovery_timeout_s=_call_timeout(base)) as client:
         bar = tqdm(total=2 * len(settings), desc="sweep", unit="run", disable=not base.show_progress)
         for changes, label in settings:
             bar.set_postfix_str(label)

@@ -23,51 +23,70 @@ from specdec_rpc import specdec_pb2_grpc as pb_grpc
 from specdec_rpc.adapters import CHANNEL_OPTIONS
 
 
-def _worker(stub, gamma: int, prompt_len: int, vocab: int, seconds: float, seed: int, latencies: list[float],
-            start: threading.Barrier) -> int:
+def _worker(stub, gamma: int, prompt_len: int, vocab: int, max_context: int, seconds: float, seed: int,
+            latencies: list[float], rounds: list[int], index: int, start: threading.Barrier) -> None:
     rng = random.Random(seed)
     greedy = pb.SamplingParams(temperature=0.0)
-    sid = stub.OpenSession(pb.OpenSessionRequest(), timeout=60).session_id
+    sid = None
     try:
+        sid = stub.OpenSession(pb.OpenSessionRequest(), timeout=60).session_id
         prompt = [rng.randrange(100, vocab) for _ in range(prompt_len)]
         r = stub.Verify(pb.VerifyRequest(session_id=sid, append_token_ids=prompt, sampling=greedy), timeout=120)
         kv, last = r.kv_length, r.output_token_ids[-1]
-        start.wait()
-        rounds, deadline = 0, time.monotonic() + seconds
+        start.wait(timeout=300)
+        deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
+            if kv + 1 + gamma >= max_context:  # keep the context bounded: back to the prompt
+                kv, last = prompt_len - 1, prompt[-1]
             drafts = [rng.randrange(100, vocab) for _ in range(gamma)]
             t0 = time.perf_counter()
             r = stub.Verify(pb.VerifyRequest(session_id=sid, truncate_to=kv, append_token_ids=[last],
                                              draft_token_ids=drafts, sampling=greedy), timeout=120)
             latencies.append(time.perf_counter() - t0)
             kv, last = r.kv_length, r.output_token_ids[-1]
-            rounds += 1
-        return rounds
+            rounds[index] += 1  # counted as it goes: a later failure keeps what was measured
+    except BaseException:
+        start.abort()  # never leave the others (or the main thread) waiting at the barrier
+        raise
     finally:
-        stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+        if sid is not None:
+            try:
+                stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+            except grpc.RpcError:
+                pass
 
 
 def run_level(address: str, concurrency: int, gamma: int, prompt_len: int, seconds: float) -> dict:
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         stub = pb_grpc.VerifierStub(channel)
-        vocab = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=60).vocab_size
+        info = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=60)
         before = stub.GetStats(pb.StatsRequest(), timeout=10)
         latencies: list[float] = []
         rounds = [0] * concurrency
+        errors: list[BaseException] = []
         start = threading.Barrier(concurrency + 1)
 
         def run(i: int) -> None:
-            rounds[i] = _worker(stub, gamma, prompt_len, vocab, seconds, 1000 + i, latencies, start)
+            try:
+                _worker(stub, gamma, prompt_len, info.vocab_size, info.max_context, seconds, 1000 + i, latencies,
+                        rounds, i, start)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(concurrency)]
         for t in threads:
             t.start()
-        start.wait()
+        try:
+            start.wait(timeout=300)
+        except threading.BrokenBarrierError:
+            pass
         t0 = time.perf_counter()
         for t in threads:
             t.join()
         elapsed = time.perf_counter() - t0
         after = stub.GetStats(pb.StatsRequest(), timeout=10)
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {concurrency} workers failed; first: {errors[0]!r}")
     requests = after.requests - before.requests
     batches = max(after.batches - before.batches, 1)
     lat_ms = np.asarray(latencies) * 1000
@@ -90,6 +109,8 @@ def run(args) -> int:
     from client.launcher import start_service
 
     levels = [int(x) for x in args.concurrency.split(",") if x]
+    if not levels or min(levels) < 1 or args.num_speculative_tokens < 0:
+        raise ValueError("--concurrency takes positive integers and --num-speculative-tokens must be >= 0")
     service = None
     address = args.verifier
     if not address:
@@ -104,9 +125,10 @@ def run(args) -> int:
             base = rows[0]["scored_tokens_per_s"]
             r = rows[-1]
             r["speedup_vs_first"] = round(r["scored_tokens_per_s"] / base, 2) if base else None
+            ratio = "n/a" if r["speedup_vs_first"] is None else f"x{r['speedup_vs_first']:.2f}"
             print(f"concurrency {c:>3}: {r['scored_tokens_per_s']:>8.1f} scored tok/s  "
                   f"({r['rounds_per_s']:.1f} rounds/s, mean batch {r['mean_batch_size']:.1f}, "
-                  f"p50 {r['p50_round_ms']} ms, p99 {r['p99_round_ms']} ms)  x{r['speedup_vs_first']:.2f} "
+                  f"p50 {r['p50_round_ms']} ms, p99 {r['p99_round_ms']} ms)  {ratio} "
                   f"vs concurrency {levels[0]}", flush=True)
     finally:
         if service is not None:
