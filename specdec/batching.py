@@ -1,10 +1,12 @@
 """Continuous batching: gRPC threads submit work items; one engine thread runs them in batches.
 
 Policy (`--max-batch-size`, `--max-wait-ms`): when the engine thread is free it takes the
-oldest waiting item, then every item already queued up to the batch size, then waits up
-to `max_wait_ms` for more while the batch is not full. Items that arrive while a batch
-runs wait for the next one, so under load batches fill without any waiting; max_wait_ms
-only trades first-request latency for fuller batches at low load.
+oldest waiting item, then every item already queued up to the batch size, then — only if
+the previous batch held more than one request, so a lone session never waits — waits up
+to `max_wait_ms` for more while the batch is not full. Measured on the 2-core CPU with 32
+sessions (`specdec bench verifier`): mean batch 16.9 without waiting, 27.0 with 10 ms, and
+1.2x the throughput; sessions that arrive in step with each other otherwise split into
+alternating half batches.
 
 All torch work of a service runs on this one thread: torch's OpenMP team belongs to the
 calling OS thread, and forwards issued from many gRPC threads ran ~1.5-2x slower on CPU.
@@ -28,7 +30,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class BatchPolicy:
     max_batch_size: int = 32
-    max_wait_ms: float = 0.0
+    max_wait_ms: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -68,6 +70,7 @@ class BatchScheduler:
         self._run_batch = run_batch
         self._threads = threads
         self._queue: queue.Queue[WorkItem | None] = queue.Queue()
+        self._last_batch_size = 0
         self._thread = threading.Thread(target=self._loop, name=f"{name}-engine", daemon=True)
         self._thread.start()
 
@@ -89,7 +92,8 @@ class BatchScheduler:
 
     def _collect(self, first: WorkItem) -> list[WorkItem]:
         batch = [first]
-        deadline = time.monotonic() + self.policy.max_wait_ms / 1000
+        wait_ms = self.policy.max_wait_ms if self._last_batch_size > 1 else 0.0
+        deadline = time.monotonic() + wait_ms / 1000
         while len(batch) < self.policy.max_batch_size:
             try:
                 item = self._queue.get_nowait()
@@ -121,6 +125,7 @@ class BatchScheduler:
                     first.future.set_exception(exc)
                 continue
             batch = self._collect(first)
+            self._last_batch_size = len(batch)
             self.stats.batches += 1
             self.stats.items += len(batch)
             self.stats.sizes[len(batch)] = self.stats.sizes.get(len(batch), 0) + 1

@@ -59,6 +59,7 @@ class ModelSpec:
     quantize: str | None = None  # "int8": dynamic int8 quantization of the decoder layers (CPU)
     max_model_len: int | None = None  # KV positions per session (vLLM's name); default min(config, 2048)
     cpu_linear: str = "mkl"  # "onednn": prepacked oneDNN float32 linears (CPU; see OneDNNLinear)
+    prefill_dtype: str = "none"  # dtype of a second weight copy for rows of >= 3 tokens; see CausalLM
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -71,6 +72,8 @@ class ModelSpec:
             raise ValueError(f"--cpu-linear must be mkl or onednn, got {self.cpu_linear!r}")
         if self.cpu_linear == "onednn" and (self.device != "cpu" or self.dtype != "float32" or self.quantize):
             raise ValueError("--cpu-linear onednn applies to float32 models on the CPU without --quantize")
+        if self.prefill_dtype not in ("none", *DTYPES):
+            raise ValueError(f"--prefill-dtype must be none or one of {', '.join(DTYPES)}, got {self.prefill_dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
 
@@ -195,6 +198,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 DEFAULT_MAX_MODEL_LEN = 2048
+PREFILL_MIN_TOKENS = 3  # rows this long take the prefill weights, when a model has them
 
 
 class OneDNNLinear(torch.nn.Module):
@@ -268,8 +272,30 @@ class CausalLM:
         config_len = int(getattr(self.config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
         self.max_context = min(config_len, spec.max_model_len or DEFAULT_MAX_MODEL_LEN)
         self.slots = SlotForward(self.model, self.max_context) if slot_supported(self.model) else None
+        self.prefill_slots = self._prefill_forward(spec)
         self.tokenizer = load_tokenizer(spec)
         self.tokenizer_fingerprint = tokenizer_fingerprint(self.tokenizer)
+
+    def _prefill_forward(self, spec: ModelSpec) -> SlotForward | None:
+        """A second copy of the weights for rows of >= PREFILL_MIN_TOKENS tokens, or None.
+
+        Why: on CPUs without AVX512-FP16 / AMX-FP16, float16 matmuls have a fast kernel
+        only for one row; with more rows they cost ~5 ms per row here (a 200-token prefill
+        of the 135M drafter: 1,141 ms), while bfloat16 goes through oneDNN's AVX512-BF16
+        kernels (224 ms). `--prefill-dtype bfloat16` on a float16 drafter therefore
+        prefills through a bfloat16 copy writing the same float16 KV slot, and keeps
+        float16 for 1-2 token rows (its fastest decode step). The price is acceptance:
+        the bfloat16-written prefix makes the float16 drafts slightly less like the
+        target's (demo prompts: 1.000 -> 0.984), so it pays off for long prompts only and
+        is off by default. The choice depends on the row alone, never on its batch mates.
+        """
+        choice = spec.prefill_dtype
+        if choice == "none" or choice == spec.dtype or self.slots is None or spec.quantize:
+            return None
+        import copy
+
+        twin = copy.deepcopy(self.model).to(DTYPES[choice])
+        return SlotForward(twin, self.max_context)
 
     def new_cache(self) -> KVSlot | Any:
         if self.slots is not None:
@@ -306,8 +332,18 @@ class CausalLM:
         # batch: batched rows would change each other's logits, and seeded output would
         # depend on batch composition. Quantized models therefore run one row at a time.
         if self.slots is not None and all(isinstance(r.slot, KVSlot) for r in rows) and not self.spec.quantize:
-            logits = self.slots.forward(rows)
-            return list(torch.split(logits, [r.keep for r in rows]))
+            groups = [(self.slots, [i for i, r in enumerate(rows)
+                                    if self.prefill_slots is None or len(r.token_ids) < PREFILL_MIN_TOKENS])]
+            if self.prefill_slots is not None:
+                groups.append((self.prefill_slots, [i for i, r in enumerate(rows)
+                                                    if len(r.token_ids) >= PREFILL_MIN_TOKENS]))
+            out: list[torch.Tensor | None] = [None] * len(rows)
+            for fwd, idx in groups:
+                if idx:
+                    logits = fwd.forward([rows[i] for i in idx])
+                    for i, part in zip(idx, torch.split(logits, [rows[i].keep for i in idx])):
+                        out[i] = part
+            return out
         return [self.forward(r.token_ids, r.slot, logits_to_keep=r.keep) for r in rows]
 
     @torch.inference_mode()
@@ -316,7 +352,7 @@ class CausalLM:
         positions (all T when logits_to_keep is 0)."""
         if isinstance(cache, KVSlot):
             keep = logits_to_keep or len(token_ids)
-            return self.slots.forward([Row(cache, list(token_ids), keep)])
+            return self.forward_rows([Row(cache, list(token_ids), keep)])[0]
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, T]
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
         return out.logits[0].float()  # [T', V]

@@ -64,7 +64,7 @@ class EngineConfig:
     session_ttl_s: float = 600.0
     kv_budget_mb: float | None = None  # None: no byte budget, only max_sessions
     max_batch_size: int = 32
-    max_wait_ms: float = 0.0
+    max_wait_ms: float = 10.0
 
 
 class ServingModel:

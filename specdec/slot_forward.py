@@ -126,9 +126,11 @@ class SlotForward:
                 kv = r.slot.data[li]  # [2, H_kv, max_len, D]
                 kv[0, :, start : start + hi - lo] = k[lo:hi].transpose(0, 1)
                 kv[1, :, start : start + hi - lo] = v[lo:hi].transpose(0, 1)
+                keys, values = kv[0, :, : start + hi - lo], kv[1, :, : start + hi - lo]  # [H_kv, S_b, D]
+                if keys.dtype != q.dtype:  # a prefill model of another dtype writing this slot
+                    keys, values = keys.to(q.dtype), values.to(q.dtype)
                 o = F.scaled_dot_product_attention(
-                    q[lo:hi].transpose(0, 1)[None],  # [1, H, T_b, D]
-                    kv[0, :, : start + hi - lo][None], kv[1, :, : start + hi - lo][None],  # [1, H_kv, S_b, D]
+                    q[lo:hi].transpose(0, 1)[None], keys[None], values[None],  # [1, H, T_b, D], [1, H_kv, S_b, D]
                     attn_mask=masks[b], scale=attn.scaling, enable_gqa=self.num_kv_heads != self.num_heads,
                 )
                 out[lo:hi] = o[0].transpose(0, 1)

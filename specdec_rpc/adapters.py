@@ -218,7 +218,7 @@ def serve(
     host: str,
     port: int,
     *,
-    max_workers: int = 16,
+    max_workers: int | None = None,
     announce: bool = True,
     tls_cert: str | None = None,
     tls_key: str | None = None,
@@ -236,7 +236,10 @@ def serve(
     tls = TLSFiles(cert=tls_cert, key=tls_key, ca=tls_ca)
     auth_tokens = tuple(load_tokens(auth_token_file)) if auth_token_file else ()
     ops = ServerOps(engine, auth_tokens=auth_tokens, metrics_port=metrics_port)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+    # Each in-flight call holds a worker while its batch runs: a full batch needs a full batch
+    # of workers, plus room for session and stats calls.
+    workers = max_workers or 2 * engine.config.max_batch_size + 8
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
                          options=CHANNEL_OPTIONS + SERVER_OPTIONS, interceptors=ops.interceptors())
     add_servicer(server)
     ops.install(server)

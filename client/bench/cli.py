@@ -118,7 +118,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     v.add_argument("--prompt-len", type=_positive("--prompt-len"), default=64)
     v.add_argument("--seconds", type=_positive("--seconds", float), default=10.0, help="measured time per level")
     v.add_argument("--max-batch-size", type=_positive("--max-batch-size"), default=32)
-    v.add_argument("--max-wait-ms", type=float, default=0.0)
+    v.add_argument("--max-wait-ms", type=float, default=10.0)
     v.add_argument("--service-threads", type=_positive("--service-threads"), default=2)
     v.add_argument("--json", default=None)
 
