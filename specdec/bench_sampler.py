@@ -5,8 +5,11 @@ Prints, for one device (cpu, or cuda when available):
     sampling with dense q, with one-hot q (ids-only / n-gram drafts), greedy matching and
     typical acceptance, plus the seeded draws (`counter_uniforms`) on their own;
   * the bytes a proposal puts on the wire per round for each form (V, gamma as given).
-FlashInfer's `chain_speculative_sampling` is timed beside ours when it is importable
-(it needs CUDA); otherwise its column says so.
+A plain-torch reference (the textbook loop: per position an accept test, a residual and
+a `torch.multinomial`, with host syncs) is timed in the same run, and FlashInfer's
+`chain_speculative_sampling` beside both when it is importable (it needs CUDA);
+otherwise its column says so. Default shapes: B in {1, 16, 64}, V 49152, γ 4 on CPU; the
+issue's anchor shapes on CUDA (B in {1, 64, 256}, V in {32000, 151936}, γ in {4, 8}).
 """
 
 from __future__ import annotations
@@ -67,6 +70,26 @@ def _flashinfer() -> Callable | None:
     return chain_speculative_sampling
 
 
+def plain_torch_reference(p: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Textbook chain speculative sampling, position by position. p: [B, K + 1, V], q: [B, K, V]."""
+    b, k = drafts.shape
+    out = torch.full((b, k + 1), -1, dtype=torch.long, device=p.device)
+    alive = torch.ones(b, dtype=torch.bool, device=p.device)
+    for j in range(k):
+        x = drafts[:, j]
+        ratio = p[:, j].gather(1, x[:, None])[:, 0] / q[:, j].gather(1, x[:, None])[:, 0]
+        accept = torch.rand(b, generator=gen, device=p.device) < ratio.clamp(max=1.0)
+        rejected = alive & ~accept
+        if bool(rejected.any()):
+            residual = (p[rejected, j] - q[rejected, j]).clamp_min(0.0)
+            out[rejected, j] = torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=gen)[:, 0]
+        out[alive & accept, j] = x[alive & accept]
+        alive &= accept
+    bonus = torch.multinomial(p[:, k], 1, generator=gen)[:, 0]
+    out[alive, k] = bonus[alive]
+    return out
+
+
 def sampler_timings(device: torch.device, batch_sizes: list[int], gamma: int, vocab: int,
                     repeat: int) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(0)
@@ -89,6 +112,7 @@ def sampler_timings(device: torch.device, batch_sizes: list[int], gamma: int, vo
             "typical_us": lambda: speculative_sample(p, drafts, None, num_draft, draws, ["typical"] * b, thr, alpha),
             # The seeded draws of the whole batch: counter-based, on the device, no host sync.
             "seeded_draws_us": lambda: counter_uniforms(seeds, STREAM_VERIFY, positions),
+            "plain_torch_us": lambda: plain_torch_reference(p, drafts, q, gen),
         }
         for name, fn in cases.items():
             row[name] = round(_time_us(fn, device, repeat), 1)
@@ -101,22 +125,34 @@ def sampler_timings(device: torch.device, batch_sizes: list[int], gamma: int, vo
     return rows
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
 def run(args: argparse.Namespace) -> int:
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x]
-    sizes = proposal_bytes(args.vocab_size, args.num_speculative_tokens)
-    print(f"proposal bytes per round (V={args.vocab_size}, gamma={args.num_speculative_tokens}):")
+    cuda = device.type == "cuda"
+    batch_sizes = _ints(args.batch_sizes or ("1,64,256" if cuda else "1,16,64"))
+    vocabs = _ints(args.vocab_sizes or ("32000,151936" if cuda else "49152"))
+    gammas = _ints(args.gammas or ("4,8" if cuda else "4"))
+    sizes = proposal_bytes(49152, 4)
+    print("proposal bytes per round (V=49152, gamma=4):")
     dense = sizes[0][1]
     for name, n in sizes:
         print(f"  {name:<24} {n:>9,d} B   ({dense / n:,.0f}x smaller than dense float32)")
-    rows = sampler_timings(device, batch_sizes, args.num_speculative_tokens, args.vocab_size, args.repeat)
+    rows = []
+    for vocab in vocabs:
+        for gamma in gammas:
+            rows += sampler_timings(device, batch_sizes, gamma, vocab, args.repeat)
     keys = [k for k in rows[0] if k.endswith("_us")]
     print(f"\nsampler, microseconds per call on {device} (torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads):")
-    print(f"  {'B':>4} " + " ".join(f"{k[:-3]:>22}" for k in keys))
+          f"{torch.get_num_threads()} threads); ours vs the plain-torch loop in the last column:")
+    print(f"  {'V':>7} {'γ':>2} {'B':>4} " + " ".join(f"{k[:-3]:>20}" for k in keys) + f" {'plain/ours':>11}")
     for r in rows:
         cells = ["n/a (no flashinfer)" if r[k] is None else f"{r[k]:,.1f}" for k in keys]
-        print(f"  {r['batch_size']:>4} " + " ".join(f"{c:>22}" for c in cells))
+        ratio = r["plain_torch_us"] / r["rejection_dense_q_us"]
+        print(f"  {r['vocab']:>7} {r['gamma']:>2} {r['batch_size']:>4} " + " ".join(f"{c:>20}" for c in cells)
+              + f" {ratio:>10.1f}x")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"proposal_bytes": dict(sizes), "sampler": rows}, fh, indent=2)

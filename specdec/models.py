@@ -328,23 +328,23 @@ class CausalLM:
     def forward_rows(self, rows: list[Row]) -> list[torch.Tensor]:
         """One batched forward: each row appends its tokens to its cache; returns per row
         the logits [keep, V] float32 of its last `keep` positions."""
-        # Dynamic int8 quantization scales activations per tensor, i.e. over every row of a
-        # batch: batched rows would change each other's logits, and seeded output would
-        # depend on batch composition. Quantized models therefore run one row at a time.
-        if self.slots is not None and all(isinstance(r.slot, KVSlot) for r in rows) and not self.spec.quantize:
-            groups = [(self.slots, [i for i, r in enumerate(rows)
-                                    if self.prefill_slots is None or len(r.token_ids) < PREFILL_MIN_TOKENS])]
-            if self.prefill_slots is not None:
-                groups.append((self.prefill_slots, [i for i, r in enumerate(rows)
-                                                    if len(r.token_ids) >= PREFILL_MIN_TOKENS]))
-            out: list[torch.Tensor | None] = [None] * len(rows)
-            for fwd, idx in groups:
-                if idx:
-                    logits = fwd.forward([rows[i] for i in idx])
-                    for i, part in zip(idx, torch.split(logits, [rows[i].keep for i in idx])):
-                        out[i] = part
-            return out
-        return [self.forward(r.token_ids, r.slot, logits_to_keep=r.keep) for r in rows]
+        if self.slots is None or not all(isinstance(r.slot, KVSlot) for r in rows):
+            return [self._dynamic_forward(r.token_ids, r.slot, r.keep) for r in rows]
+        groups = [(self.slots, [i for i, r in enumerate(rows)
+                                if self.prefill_slots is None or len(r.token_ids) < PREFILL_MIN_TOKENS])]
+        if self.prefill_slots is not None:
+            groups.append((self.prefill_slots, [i for i, r in enumerate(rows) if len(r.token_ids) >= PREFILL_MIN_TOKENS]))
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        for fwd, idx in groups:
+            # Dynamic int8 quantization scales activations per tensor, i.e. over every row of
+            # a batch: batched rows would change each other's logits and seeded output would
+            # depend on batch composition, so quantized models run one row at a time.
+            chunks = [[i] for i in idx] if self.spec.quantize else ([idx] if idx else [])
+            for chunk in chunks:
+                logits = fwd.forward([rows[i] for i in chunk])
+                for i, part in zip(chunk, torch.split(logits, [rows[i].keep for i in chunk])):
+                    out[i] = part
+        return out
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], cache, logits_to_keep: int = 0) -> torch.Tensor:
@@ -353,6 +353,10 @@ class CausalLM:
         if isinstance(cache, KVSlot):
             keep = logits_to_keep or len(token_ids)
             return self.forward_rows([Row(cache, list(token_ids), keep)])[0]
+        return self._dynamic_forward(token_ids, cache, logits_to_keep)
+
+    def _dynamic_forward(self, token_ids: list[int], cache, logits_to_keep: int) -> torch.Tensor:
+        """transformers' own forward over a DynamicCache (models without a slot forward)."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)  # [1, T]
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
         return out.logits[0].float()  # [T', V]

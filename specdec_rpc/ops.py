@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from specdec_rpc import specdec_pb2 as pb
 
@@ -357,6 +357,15 @@ class EngineCollector:
                 family = GaugeMetricFamily(name, doc, labels=["role"])
             family.add_metric([role], value)
             yield family
+        scheduler = getattr(self.engine, "scheduler", None)
+        if scheduler is not None:  # requests per batched engine step
+            sizes = dict(scheduler.stats.sizes)
+            edges = [1, 2, 4, 8, 16, 32, 64, 128]
+            buckets = [(str(le), sum(n for size, n in sizes.items() if size <= le)) for le in edges]
+            buckets.append(("+Inf", sum(sizes.values())))
+            hist = HistogramMetricFamily("specdec_batch_size", "requests per batched forward", labels=["role"])
+            hist.add_metric([role], buckets, sum_value=sum(size * n for size, n in sizes.items()))
+            yield hist
         rate = GaugeMetricFamily("specdec_acceptance_rate", "accepted / proposed draft tokens since start",
                                  labels=["role"])
         drafted = stats.get("draft_tokens", 0)

@@ -258,3 +258,34 @@ def test_bfloat16_prefill_twin_writes_the_float16_slot():
     ref_step = plain.forward([int(long[-1].argmax())], ref_slot, logits_to_keep=1)
     for a, b in ((long, ref_long), (step, ref_step)):
         assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
+
+
+def test_a_timed_out_call_leaves_its_session_consistent(verifier_proc):
+    """A Verify whose client deadline expires mid-prefill still completes on the server;
+    the session then serves a normal call (truncated as the client asks) with the right
+    KV length, and closing it leaves no session behind."""
+    with grpc.insecure_channel(verifier_proc.address) as ch:
+        stub = pb_grpc.VerifierStub(ch)
+        greedy = pb.SamplingParams(temperature=0.0)
+        live_before = stub.GetStats(pb.StatsRequest()).live_sessions
+        sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
+        prompt = [100 + i % 400 for i in range(1200)]
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Verify(pb.VerifyRequest(session_id=sid, append_token_ids=prompt, sampling=greedy), timeout=0.05)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 60
+        while True:  # the abandoned call still holds the session until its batch finishes
+            try:
+                r = stub.Verify(pb.VerifyRequest(session_id=sid, truncate_to=0, append_token_ids=prompt[:10],
+                                                 sampling=greedy), timeout=60)
+                break
+            except grpc.RpcError as busy:
+                assert busy.code() == grpc.StatusCode.FAILED_PRECONDITION and time.monotonic() < deadline
+                time.sleep(0.2)
+        assert r.kv_length == 10
+        alone = stub.OpenSession(pb.OpenSessionRequest()).session_id
+        ref = stub.Verify(pb.VerifyRequest(session_id=alone, append_token_ids=prompt[:10], sampling=greedy))
+        assert list(r.output_token_ids) == list(ref.output_token_ids)
+        for s in (sid, alone):
+            stub.CloseSession(pb.CloseSessionRequest(session_id=s))
+        assert stub.GetStats(pb.StatsRequest()).live_sessions <= live_before  # (older leftovers may expire)

@@ -102,6 +102,7 @@ def test_metrics_count_a_generation_and_its_errors(services):
     assert v["specdec_concurrent_calls_count{}"] >= result.num_rounds
     assert v["specdec_engine_requests_total{role=verifier}"] >= result.num_rounds
     assert v["specdec_forwards_total{role=verifier}"] >= result.num_rounds
+    assert v["specdec_batch_size_count{role=verifier}"] >= result.num_rounds  # one batch per round here, or fewer
     assert v["specdec_accepted_tokens_total{role=verifier}"] >= result.num_accepted_tokens > 0
     assert v["specdec_emitted_tokens_total{role=verifier}"] >= len(result.token_ids)
     assert 0 < v["specdec_acceptance_rate{role=verifier}"] <= 1

@@ -124,9 +124,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
     m = sub.add_parser("sampler", help="batched sampler cost and bytes per proposal form (no services)")
     m.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when available)")
-    m.add_argument("--batch-sizes", default="1,16,64", help="comma-separated")
-    m.add_argument("--num-speculative-tokens", type=_positive("--num-speculative-tokens"), default=4, help="gamma")
-    m.add_argument("--vocab-size", type=_positive("--vocab-size"), default=49152)
+    m.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1,16,64 on CPU, 1,64,256 on CUDA)")
+    m.add_argument("--gammas", default=None, help="comma-separated (default: 4 on CPU, 4,8 on CUDA)")
+    m.add_argument("--vocab-sizes", default=None, help="comma-separated (default: 49152 on CPU, 32000,151936 on CUDA)")
     m.add_argument("--repeat", type=_positive("--repeat"), default=20)
     m.add_argument("--json", default=None, help="also write the results to this path")
     return bench
