@@ -31,9 +31,8 @@ class _Request:
     append_token_ids: list[int]
     num_draft_tokens: int
     params: SamplingParams
-    fmt: ProposalFormat
     prompt_length: int
-    builder: ProposalBuilder
+    builder: ProposalBuilder  # samples each draft from, and records, the wire form it will send
     drafts: list[int] = field(default_factory=list)
 
 
@@ -49,34 +48,33 @@ class DrafterEngine(ServingModel):
         params: SamplingParams,
         fmt: ProposalFormat = ProposalFormat(),
         prompt_length: int = 0,
+        owner: str | None = None,
     ) -> DraftOut:
         """Validates (before the session is touched), holds the session, waits for its batch."""
         self.check_request(truncate_to, append_token_ids, num_draft_tokens, params, prompt_length=prompt_length)
-        with self.sessions.use(session_id, truncate_to) as session:
-            req = _Request(session, append_token_ids, num_draft_tokens, params, fmt, prompt_length,
+        with self.sessions.use(session_id, truncate_to, owner) as session:
+            req = _Request(session, append_token_ids, num_draft_tokens, params, prompt_length,
                            ProposalBuilder(fmt, self.lm.vocab_size))
             return self.submit(req)
 
     def _run_batch(self, items: list[WorkItem]) -> None:
         reqs: list[_Request] = [it.payload for it in items]
-        rows = [Row(r.session.cache, r.append_token_ids, 1) for r in reqs]
-        logits = self.lm.forward_rows(rows)  # one [1, V] per row
+        stepped = reqs  # the requests whose rows the latest forward ran, in row order
+        logits = self.lm.forward_rows([Row(r.session.cache, r.append_token_ids, 1) for r in reqs])  # [1, V] each
         for r in reqs:
             r.session.tokens.extend(r.append_token_ids)
         forwards = 1
         while True:
-            active = [r for r in reqs if len(r.drafts) < r.num_draft_tokens]
-            by_row = dict(zip((id(row.slot) for row in rows), logits))
-            for r in active:
-                self._sample(r, by_row[id(r.session.cache)])
-            # Every draft but the last of each request is appended, so the next step can draft after it.
-            rows = [Row(r.session.cache, [r.drafts[-1]], 1) for r in active if len(r.drafts) < r.num_draft_tokens]
-            if not rows:
-                break
-            for r in active:
+            for r, row_logits in zip(stepped, logits):
                 if len(r.drafts) < r.num_draft_tokens:
-                    r.session.tokens.append(r.drafts[-1])
-            logits = self.lm.forward_rows(rows)
+                    self._sample(r, row_logits)
+            # Every draft but the last of each request is appended, so the next step drafts after it.
+            stepped = [r for r in stepped if len(r.drafts) < r.num_draft_tokens]
+            if not stepped:
+                break
+            for r in stepped:
+                r.session.tokens.append(r.drafts[-1])
+            logits = self.lm.forward_rows([Row(r.session.cache, [r.drafts[-1]], 1) for r in stepped])
             forwards += 1
         for item, r in zip(items, reqs):
             try:
@@ -93,9 +91,8 @@ class DrafterEngine(ServingModel):
         if r.params.greedy:
             r.drafts.append(r.builder.sample(None, None, argmax))
             return
-        seed = r.params.seed if r.params.seed is not None else r.session.seed
         position = len(r.session.tokens)  # absolute position of this draft
-        u = position_uniforms(seed, STREAM_DRAFT, [position])[0, 1]
+        u = position_uniforms(r.session.seed_for(r.params), STREAM_DRAFT, [position])[0, 1]
         r.drafts.append(r.builder.sample(probs[0], u, argmax))
 
     def _finish(self, r: _Request) -> DraftOut:

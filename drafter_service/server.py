@@ -14,6 +14,7 @@ from specdec_rpc.adapters import (
     run_until_signal,
     serve,
 )
+from specdec_rpc.ops import caller_owner
 
 
 class DrafterServicer(SessionMethods, pb_grpc.DrafterServicer):
@@ -22,7 +23,6 @@ class DrafterServicer(SessionMethods, pb_grpc.DrafterServicer):
 
     @rpc_method
     def Draft(self, request, context):
-        self.authorize(request.session_id, context)  # someone else's session is NOT_FOUND
         params = sampling_from_pb(request.sampling)
         out = self.engine.draft(
             request.session_id,
@@ -32,6 +32,7 @@ class DrafterServicer(SessionMethods, pb_grpc.DrafterServicer):
             params,
             proposal_format_from_pb(request.proposal_format, params.greedy),
             prompt_length=request.prompt_length,
+            owner=caller_owner(context),  # someone else's session is NOT_FOUND
         )
         return pb.DraftResponse(
             draft_token_ids=out.draft_token_ids, proposal=proposal_to_pb(out.proposal), kv_length=out.kv_length

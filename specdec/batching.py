@@ -41,23 +41,19 @@ class BatchPolicy:
 
 @dataclass
 class WorkItem:
-    """One request inside a batch: `payload` in, `future` out (result or exception).
-    An item with `call` set is not batched: the engine thread runs it alone."""
+    """One request inside a batch: `payload` in, `future` out (result or exception)."""
 
     payload: Any
     future: Future = field(default_factory=Future)
-    call: Callable[[], Any] | None = None
 
 
 @dataclass
 class BatchStats:
-    batches: int = 0
-    items: int = 0
-    sizes: dict[int, int] = field(default_factory=dict)  # batch size -> count
+    sizes: dict[int, int] = field(default_factory=dict)  # batch size -> how many batches had it
 
     @property
-    def mean_batch_size(self) -> float:
-        return self.items / self.batches if self.batches else 0.0
+    def batches(self) -> int:
+        return sum(self.sizes.values())
 
 
 class BatchScheduler:
@@ -80,12 +76,6 @@ class BatchScheduler:
         self._queue.put(item)
         return item.future.result()
 
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """Run a plain function on the engine thread (setup work, tests)."""
-        item = WorkItem(None, call=fn)
-        self._queue.put(item)
-        return item.future.result()
-
     def shutdown(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=30)
@@ -105,8 +95,8 @@ class BatchScheduler:
                     item = self._queue.get(timeout=remaining)
                 except queue.Empty:
                     break
-            if item is None or item.call is not None:
-                self._queue.put(item)  # handled after this batch
+            if item is None:
+                self._queue.put(item)  # shut down after this batch
                 break
             batch.append(item)
         return batch
@@ -118,16 +108,8 @@ class BatchScheduler:
             first = self._queue.get()
             if first is None:
                 return
-            if first.call is not None:
-                try:
-                    first.future.set_result(first.call())
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    first.future.set_exception(exc)
-                continue
             batch = self._collect(first)
             self._last_batch_size = len(batch)
-            self.stats.batches += 1
-            self.stats.items += len(batch)
             self.stats.sizes[len(batch)] = self.stats.sizes.get(len(batch), 0) + 1
             try:
                 self._run_batch(batch)

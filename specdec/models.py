@@ -365,5 +365,5 @@ class CausalLM:
         cfg = self.config
         heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        elem = torch.finfo(next(self.model.parameters()).dtype).bits // 8 if not self.spec.quantize else 4
+        elem = next(self.model.parameters()).element_size()  # int8 models keep a float32 embedding
         return 2 * cfg.num_hidden_layers * heads * head_dim * elem

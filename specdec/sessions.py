@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from specdec.errors import InvalidArgument, OutOfRange, ResourceExhausted, SessionBusy, SessionNotFound
-from specdec.sampling import random_seed
+from specdec.sampling import SamplingParams, random_seed
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,10 @@ class Session:
     # Who may use the session (a hash of the caller's credential), None = anyone. A
     # leaked id alone is then useless: another caller gets NOT_FOUND, as if it did not exist.
     owner: str | None = None
+
+    def seed_for(self, params: SamplingParams) -> int:
+        """The request's seed, else this session's own server randomness."""
+        return params.seed if params.seed is not None else self.seed
 
 
 class SessionStore:
@@ -78,7 +82,7 @@ class SessionStore:
 
     def kv_bytes(self) -> int:
         with self._mutex:
-            return sum(self._cache_bytes(s.cache) for s in self._sessions.values())
+            return self._used_bytes()
 
     def open(self, owner: str | None = None) -> Session:
         self.expire_idle()
@@ -146,20 +150,10 @@ class SessionStore:
                 self._forget(sid, f"expired after {self.ttl_s:g} s idle")
         return len(idle)
 
-    def authorize(self, session_id: str, owner: str | None) -> None:
-        """Raise SessionNotFound unless `owner` may use the session (checked before `use`).
-
-        A session's owner never changes, so checking before the engine takes the session
-        is as good as checking inside `use`; a missing session fails in `use` as usual.
-        """
-        with self._mutex:
-            session = self._sessions.get(session_id)
-        if session is not None and not _owns(session, owner):
-            raise SessionNotFound(_unknown(session_id))
-
     @contextlib.contextmanager
-    def use(self, session_id: str, truncate_to: int) -> Iterator[Session]:
-        """Hold the session exclusively, truncated to `truncate_to` tokens.
+    def use(self, session_id: str, truncate_to: int, owner: str | None = None) -> Iterator[Session]:
+        """Hold the session exclusively, truncated to `truncate_to` tokens. Someone else's
+        session (see `Session.owner`) is NOT_FOUND, in the words of an unknown one.
 
         If the body raises, the cache is cropped back to `truncate_to` so the session
         stays consistent with what the client believes it holds.
@@ -168,6 +162,8 @@ class SessionStore:
             session = self._sessions.get(session_id)
             if session is None:
                 raise SessionNotFound(self._why_missing(session_id))
+            if not _owns(session, owner):
+                raise SessionNotFound(_unknown(session_id))
             if not session.lock.acquire(blocking=False):
                 raise SessionBusy(f"session {session_id} already has a call in flight; calls on a session are sequential")
         try:

@@ -183,13 +183,10 @@ class SessionMethods:
     """GetModelInfo / OpenSession / CloseSession over `self.engine` (a ServingModel).
 
     A session belongs to the credential that opened it (`caller_owner`); the services'
-    own methods call `authorize` before touching a session.
+    own methods pass the caller's owner to the engine, whose session store checks it.
     """
 
     engine: ServingModel
-
-    def authorize(self, session_id: str, context) -> None:
-        self.engine.sessions.authorize(session_id, caller_owner(context))
 
     @rpc_method
     def GetModelInfo(self, request, context):

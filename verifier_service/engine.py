@@ -58,6 +58,7 @@ class VerifierEngine(ServingModel):
         proposal: Proposal | None,
         params: SamplingParams,
         prompt_length: int = 0,
+        owner: str | None = None,
     ) -> VerifyOut:
         """Validates (before the session is touched), holds the session, waits for its batch."""
         k = len(draft_token_ids)
@@ -71,7 +72,7 @@ class VerifierEngine(ServingModel):
             q = decode_proposal(proposal, k, self.lm.vocab_size)
             if proposal.kind == IDS_ONLY and proposal.shape != (k,):
                 raise InvalidArgument("proposal.shape", f"ids-only proposals are [{k}], got {list(proposal.shape)}")
-        with self.sessions.use(session_id, truncate_to) as session:
+        with self.sessions.use(session_id, truncate_to, owner) as session:
             return self.submit(_Request(session, append_token_ids, draft_token_ids, q, params, prompt_length))
 
     def _run_batch(self, items: list[WorkItem]) -> None:
@@ -87,18 +88,15 @@ class VerifierEngine(ServingModel):
         q = None
         if any(r.q is not None for r in reqs):
             q = torch.ones(b, k_max, vocab)  # rows of requests without q are ignored (one-hot or unused)
-        probs = []
         for i, (r, lg) in enumerate(zip(reqs, logits)):
             k = len(r.draft_token_ids)
             first_pos = r.session.length + len(r.append_token_ids)  # absolute position of draft 0
             ctx = self.token_context(r.session.tokens + r.append_token_ids, r.prompt_length)
-            p = process_logits(lg, r.params, ctx, r.draft_token_ids)  # [K_b + 1, V]
-            probs.append(p)
-            target[i, : k + 1] = p
+            target[i, : k + 1] = process_logits(lg, r.params, ctx, r.draft_token_ids)  # [K_b + 1, V]
             drafts[i, :k] = torch.tensor(r.draft_token_ids, dtype=torch.long)
             if r.params.method != GREEDY:
-                seed = r.params.seed if r.params.seed is not None else r.session.seed
-                draws[i, : k + 1] = position_uniforms(seed, STREAM_VERIFY, list(range(first_pos, first_pos + k + 1)))
+                draws[i, : k + 1] = position_uniforms(r.session.seed_for(r.params), STREAM_VERIFY,
+                                                      list(range(first_pos, first_pos + k + 1)))
             if q is not None:
                 if r.q is not None:
                     q[i, :k] = r.q
@@ -114,12 +112,13 @@ class VerifierEngine(ServingModel):
         self.stats.add(forwards=1)
         for i, (item, r) in enumerate(zip(items, reqs)):
             try:
-                item.future.set_result(self._finish(r, probs[i], int(out.num_accepted[i]),
+                item.future.set_result(self._finish(r, target[i], int(out.num_accepted[i]),
                                                     out.output_token_ids[i].tolist()))
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 item.future.set_exception(exc)
 
     def _finish(self, r: _Request, p: torch.Tensor, n_acc: int, row: list[int]) -> VerifyOut:
+        """p: [>= n_acc + 1, V] the processed target distribution of r's positions."""
         session = r.session
         k = len(r.draft_token_ids)
         emitted = row[: n_acc + 1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
 from specdec_rpc.adapters import SessionMethods, proposal_from_pb, rpc_method, run_until_signal, sampling_from_pb, serve
+from specdec_rpc.ops import caller_owner
 from verifier_service.engine import VerifierEngine
 
 
@@ -14,7 +15,6 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
 
     @rpc_method
     def Verify(self, request, context):
-        self.authorize(request.session_id, context)  # someone else's session is NOT_FOUND
         out = self.engine.verify(
             request.session_id,
             request.truncate_to,
@@ -23,6 +23,7 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
             proposal_from_pb(request.proposal, request.HasField("proposal")),
             sampling_from_pb(request.sampling),
             prompt_length=request.prompt_length,
+            owner=caller_owner(context),  # someone else's session is NOT_FOUND
         )
         return pb.VerifyResponse(
             output_token_ids=out.output_token_ids, num_accepted=out.num_accepted, kv_length=out.kv_length,
