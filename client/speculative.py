@@ -154,13 +154,21 @@ class SpeculativeClient:
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
         if chat:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            return list(ids)
+            return self.encode_chat([{"role": "user", "content": prompt}])
         return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
+
+    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+        """Token ids of a conversation through the model's chat template, ready for the reply."""
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def effective_gamma(self, gamma: int) -> int:
+        """γ as rounds will use it: capped by both services' max_draft_tokens; 0 without a drafter."""
+        if gamma <= 0 or self.drafter_info is None:
+            return 0
+        return min(gamma, self.drafter_info.max_draft_tokens, self.verifier_info.max_draft_tokens)
 
     def generate(
         self,
@@ -195,7 +203,7 @@ class SpeculativeClient:
         if speculative and self.drafter is None:
             raise ValueError("speculative decoding needs a drafter address (or use target_only=True)")
         if speculative:
-            gamma_max = min(gamma_max, self.drafter_info.max_draft_tokens, self.verifier_info.max_draft_tokens)
+            gamma_max = self.effective_gamma(gamma_max)
         prompt_ids = self.encode_prompt(prompt, chat)
         if not prompt_ids:
             raise ValueError("the prompt is empty after tokenization")

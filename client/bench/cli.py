@@ -183,8 +183,6 @@ def _sweep(args: argparse.Namespace) -> int:
 
     if not args.drafter:
         raise ValueError("--drafter is required (a sweep runs speculative and target-only)")
-    if (args.concurrency is None) == (args.request_rates is None):
-        raise ValueError("give exactly one of --concurrency and --request-rates")
     concurrency = parse_points(args.concurrency, "--concurrency", integer=True) if args.concurrency else []
     rates = parse_points(args.request_rates, "--request-rates", integer=False) if args.request_rates else []
     result = run_sweep(_workload(args, False), concurrency=concurrency, request_rates=rates)

@@ -22,12 +22,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from client.bench.datasets import interleave, load_dataset
-from client.bench.serve import encode
+from client.bench.serve import WARMUP_MAX_TOKENS, encode
 from client.launcher import start_service
 from client.speculative import SpeculativeClient
 from specdec.sampling import SamplingParams
-
-WARMUP_MAX_TOKENS = 4
 
 
 @dataclass(frozen=True)

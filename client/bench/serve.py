@@ -191,12 +191,7 @@ def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
 
 
 def encode(client: SpeculativeClient, prompt: BenchPrompt, chat: bool) -> list[int]:
-    if not chat:
-        return client.encode_prompt(prompt.text)
-    ids = client.tokenizer.apply_chat_template(prompt.chat_messages(), add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+    return client.encode_chat(prompt.chat_messages()) if chat else client.encode_prompt(prompt.text)
 
 
 def build_requests(client: SpeculativeClient, config: WorkloadConfig) -> list[BenchRequest]:
@@ -444,7 +439,7 @@ def run_serve(config: WorkloadConfig, client: SpeculativeClient | None = None,
                                    num_speculative_tokens=config.num_speculative_tokens,
                                    timeout_s=_call_timeout(config), recovery_timeout_s=_call_timeout(config))
     try:
-        gamma = 0 if config.target_only else _effective_gamma(client, config.num_speculative_tokens)
+        gamma = 0 if config.target_only else client.effective_gamma(config.num_speculative_tokens)
         requests = build_requests(client, config)
         for req in requests[: config.warmup_requests]:
             client.generate(list(req.prompt_ids), config.params.replace(max_tokens=WARMUP_MAX_TOKENS),
@@ -492,13 +487,6 @@ def run_serve(config: WorkloadConfig, client: SpeculativeClient | None = None,
     if not config.target_only:
         add_efficiency(result, baseline)
     return result
-
-
-def _effective_gamma(client: SpeculativeClient, gamma: int) -> int:
-    """γ as the client will use it: capped by both services' max_draft_tokens."""
-    if gamma <= 0 or client.drafter_info is None:
-        return 0
-    return min(gamma, client.drafter_info.max_draft_tokens, client.verifier_info.max_draft_tokens)
 
 
 def _call_timeout(config: WorkloadConfig) -> float:

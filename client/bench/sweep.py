@@ -8,7 +8,7 @@ import math
 from datetime import datetime, timezone
 from typing import Sequence
 
-from client.bench.serve import _call_timeout, WorkloadConfig, _json_rate, add_efficiency, run_serve
+from client.bench.serve import WorkloadConfig, _call_timeout, _fmt, _json_rate, add_efficiency, run_serve
 from client.speculative import SpeculativeClient
 
 
@@ -71,10 +71,6 @@ def run_sweep(base: WorkloadConfig, concurrency: Sequence[int] = (), request_rat
         "num_speculative_tokens": base.num_speculative_tokens,
         "points": points,
     }
-
-
-def _fmt(value, digits: int = 2) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
 
 
 def format_sweep(sweep: dict) -> str:
