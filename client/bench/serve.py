@@ -14,6 +14,8 @@ Metrics follow vLLM's `benchmarks/serve.py` names and definitions:
 - TTFT: from sending the request to the first streamed chunk (the first round's tokens).
 - E2EL: from sending the request to its last chunk.
 - TPOT: (e2el - ttft) / (output_tokens - 1) per request; one-token outputs have none.
+  vLLM's formula. Our first chunk can carry up to γ + 1 tokens whose time falls in TTFT, so a
+  speculative run's TPOT reads low against target-only by at most γ / (output_tokens - 1).
 - ITL: one gap per streamed chunk after the first. Each speculative round is one chunk
   carrying all the tokens it committed, and, as vLLM does for multi-token chunks, it
   counts as ONE gap (not k gaps of which k - 1 are zero). ITL is thus the time per
