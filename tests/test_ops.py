@@ -141,7 +141,10 @@ def test_sigterm_drains_finishes_the_call_in_flight_refuses_new_ones_and_exits_i
             assert reply.kv_length == len(prompt) and len(reply.output_token_ids) == 1
             with pytest.raises(grpc.RpcError) as err:
                 stub.OpenSession(pb.OpenSessionRequest(), timeout=5)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            # Still refused. Once the drain is idle, gRPC's own stop runs: a call that lands in
+            # that instant is CANCELLED by the server core instead of reaching our UNAVAILABLE
+            # interceptor (seen once in CI); either way nothing new is served.
+            assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
         code = svc.proc.wait(timeout=grace_s + 5)
         elapsed = time.monotonic() - t0
         assert code == 0 and elapsed < grace_s, (code, elapsed)
