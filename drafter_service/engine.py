@@ -1,5 +1,6 @@
 """Draft engine: each waiting session's cache is truncated and extended, then all of them
-draft in lockstep, one batched forward per draft position."""
+draft in lockstep, one batched forward per draft position. While no request waits, the
+engine pre-drafts the next round of sessions that asked for it (specdec/speculation.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.batching import WorkItem
-from specdec.models import Row
+from specdec.errors import InvalidArgument
+from specdec.models import CausalLM, ModelSpec, Row
 from specdec.proposals import Proposal, ProposalBuilder, ProposalFormat
 from specdec.sampling import STREAM_DRAFT, SamplingParams, position_uniforms, process_logits
-from specdec.serving import ServingModel
+from specdec.serving import EngineConfig, ServingModel
 from specdec.sessions import Session
+from specdec.slot_forward import KVSlot, copy_prefix
+from specdec.speculation import Branch, SpeculationCache, SpeculationJob
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +27,7 @@ class DraftOut:
     draft_token_ids: list[int]
     proposal: Proposal  # exactly the distribution each draft token was sampled from
     kv_length: int
+    cached_draft_tokens: int = 0  # drafts that came from the speculation cache
 
 
 @dataclass
@@ -33,11 +38,26 @@ class _Request:
     params: SamplingParams
     prompt_length: int
     builder: ProposalBuilder  # samples each draft from, and records, the wire form it will send
+    fanout: int = 0
     drafts: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)  # ids the request's next forward appends
+    cached: int = 0  # drafts taken from a pre-drafted branch
+
+    @property
+    def key(self) -> tuple:
+        """What a pre-drafted branch must share with this request to stand for its drafts."""
+        return (self.params, self.prompt_length, self.builder.fmt, self.session.seed_for(self.params))
 
 
 class DrafterEngine(ServingModel):
     role = "drafter"
+    speculation: SpeculationCache | None = None  # set after the engine thread has started
+
+    def __init__(self, spec: ModelSpec, config: EngineConfig = EngineConfig(), lm: CausalLM | None = None) -> None:
+        super().__init__(spec, config, lm)
+        # Branches fork the session's KV slot; models without a slot forward do not speculate.
+        self.speculation = (SpeculationCache(config.speculation_slots, self.lm.new_cache, copy_prefix)
+                            if self.lm.slots is not None and config.speculation_slots > 0 else None)
 
     def draft(
         self,
@@ -49,51 +69,148 @@ class DrafterEngine(ServingModel):
         fmt: ProposalFormat = ProposalFormat(),
         prompt_length: int = 0,
         owner: str | None = None,
+        fanout: int = 0,
     ) -> DraftOut:
-        """Validates (before the session is touched), holds the session, waits for its batch."""
+        """Validates (before the session is touched), holds the session, waits for its batch.
+        fanout > 0: afterwards pre-draft the next round for that many bonus candidates."""
         self.check_request(truncate_to, append_token_ids, num_draft_tokens, params, prompt_length=prompt_length)
+        if fanout < 0:
+            raise InvalidArgument("fanout", f"must be >= 0, got {fanout}")
         with self.sessions.use(session_id, truncate_to, owner) as session:
             req = _Request(session, append_token_ids, num_draft_tokens, params, prompt_length,
-                           ProposalBuilder(fmt, self.lm.vocab_size))
+                           ProposalBuilder(fmt, self.lm.vocab_size), fanout=fanout, pending=list(append_token_ids))
             return self.submit(req)
+
+    def close_session(self, session_id: str, owner: str | None = None) -> None:
+        super().close_session(session_id, owner)
+        if self.speculation is not None:
+            self.speculation.drop(session_id)
+
+    def snapshot_stats(self) -> dict[str, int]:
+        out = super().snapshot_stats()
+        if self.speculation is not None:
+            st = self.speculation.stats
+            out.update(speculation_hits=st.hits, speculation_partial_hits=st.partial_hits,
+                       speculation_misses=st.misses, speculation_draft_tokens=st.draft_tokens,
+                       speculation_dropped_branches=st.dropped_branches)
+            out["kv_bytes"] += self.speculation.slot_bytes(self.lm.cache_bytes)
+        return out
 
     def _run_batch(self, items: list[WorkItem]) -> None:
         reqs: list[_Request] = [it.payload for it in items]
-        stepped = reqs  # the requests whose rows the latest forward ran, in row order
-        logits = self.lm.forward_rows([Row(r.session.cache, r.append_token_ids, 1) for r in reqs])  # [1, V] each
         for r in reqs:
-            r.session.tokens.extend(r.append_token_ids)
-        forwards = 1
-        while True:
-            for r, row_logits in zip(stepped, logits):
-                if len(r.drafts) < r.num_draft_tokens:
-                    self._sample(r, row_logits)
-            # Every draft but the last of each request is appended, so the next step drafts after it.
-            stepped = [r for r in stepped if len(r.drafts) < r.num_draft_tokens]
-            if not stepped:
-                break
-            for r in stepped:
-                r.session.tokens.append(r.drafts[-1])
-            logits = self.lm.forward_rows([Row(r.session.cache, [r.drafts[-1]], 1) for r in stepped])
+            self._resume_branch(r)
+        stepped = [r for r in reqs if r.pending]  # the requests whose rows the next forward runs, in row order
+        forwards = 0
+        while stepped:
+            logits = self.lm.forward_rows([Row(r.session.cache, r.pending, 1) for r in stepped])  # [1, V] each
             forwards += 1
+            for r, row_logits in zip(stepped, logits):
+                r.session.tokens.extend(r.pending)
+                r.pending = []
+                if len(r.drafts) < r.num_draft_tokens:
+                    r.drafts.append(self._draft_token(r.session.tokens, r.key, r.builder, row_logits))
+                    # Every draft but the last is appended, so the next step drafts after it.
+                    if len(r.drafts) < r.num_draft_tokens:
+                        r.pending = [r.drafts[-1]]
+            stepped = [r for r in stepped if r.pending]
         for item, r in zip(items, reqs):
             try:
-                item.future.set_result(self._finish(r))
+                out = self._finish(r)
+                self._plan_speculation(r)  # while the session is still held
+                item.future.set_result(out)
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 item.future.set_exception(exc)
         self.stats.add(forwards=forwards)
 
-    def _sample(self, r: _Request, logits: torch.Tensor) -> None:
-        """Draft one token for r from logits [1, V]; penalties see the committed tokens and
-        the drafts before it, as the verifier's will."""
-        probs = process_logits(logits, r.params, self.token_context(r.session.tokens, r.prompt_length))  # [1, V]
+    def _draft_token(self, tokens: list[int], key: tuple, builder: ProposalBuilder, logits: torch.Tensor) -> int:
+        """One draft after `tokens` from logits [1, V]; penalties see the committed tokens and
+        the drafts before it, as the verifier's will. key: (params, prompt_length, format, seed)."""
+        params, prompt_length, _, seed = key
+        probs = process_logits(logits, params, self.token_context(tokens, prompt_length))  # [1, V]
         argmax = int(torch.argmax(probs[0]))
-        if r.params.greedy:
-            r.drafts.append(r.builder.sample(None, None, argmax))
+        if params.greedy:
+            return builder.sample(None, None, argmax)
+        u = position_uniforms(seed, STREAM_DRAFT, [len(tokens)])[0, 1]  # len(tokens): this draft's position
+        return builder.sample(probs[0], u, argmax)
+
+    # ---- speculation cache ----------------------------------------------------------
+
+    def _resume_branch(self, r: _Request) -> None:
+        """If a pre-drafted branch matches r's sequence, make its slot the session's cache and
+        take its drafts; r.pending is then empty (a hit) or the branch's last draft (partial)."""
+        if self.speculation is None or not self.speculation.pending(r.session.session_id):
             return
-        position = len(r.session.tokens)  # absolute position of this draft
-        u = position_uniforms(r.session.seed_for(r.params), STREAM_DRAFT, [position])[0, 1]
-        r.drafts.append(r.builder.sample(probs[0], u, argmax))
+        session = r.session
+        if r.num_draft_tokens == 0:
+            self.speculation.drop(session.session_id)
+            return
+        branch = self.speculation.take(session.session_id, session.tokens + r.append_token_ids, r.key)
+        if branch is None:
+            return
+        old, session.cache, session.tokens = session.cache, branch.slot, branch.tokens
+        self.speculation.adopt(old)
+        n = min(r.num_draft_tokens, len(branch.drafts))
+        r.drafts, r.builder, r.cached = branch.drafts[:n], branch.builder, n
+        r.builder.keep(n)
+        if n == r.num_draft_tokens:
+            keep = branch.sequence_len + n - 1  # the contract: the cache holds all drafts but the last
+            self.lm.crop(session.cache, keep)
+            del session.tokens[keep:]
+            r.pending = []
+            self.speculation.stats.hits += 1
+        else:
+            r.pending = [r.drafts[-1]]
+            self.speculation.stats.partial_hits += 1
+
+    def _plan_speculation(self, r: _Request) -> None:
+        session = r.session
+        if (self.speculation is None or r.fanout <= 0 or not r.drafts or len(r.drafts) < r.num_draft_tokens
+                or not isinstance(session.cache, KVSlot)
+                or len(session.tokens) + 2 + r.num_draft_tokens > self.lm.max_context):
+            return
+        self.speculation.submit(SpeculationJob(session.session_id, session.cache, list(session.tokens), r.drafts[-1],
+                                               r.num_draft_tokens, r.fanout, r.key))
+
+    def _idle(self) -> bool:
+        """One batched forward of pre-drafting: each job's probe or its current branch."""
+        if self.speculation is None:
+            return False
+        work = self.speculation.work(self.config.max_batch_size, alive=self.sessions.__contains__)
+        if not work:
+            return False
+        rows = [Row(job.branches[0].slot, [job.last_draft], 1) if br is None else Row(br.slot, br.pending, 1)
+                for job, br in work]
+        try:
+            logits = self.lm.forward_rows(rows)
+            for (job, branch), row_logits in zip(work, logits):
+                if branch is None:
+                    self._start_branches(job, row_logits)
+                else:
+                    self._advance(job, branch, row_logits)
+        except Exception:  # noqa: BLE001 - a failed speculation only loses its branches
+            log.exception("speculation step failed; dropping its jobs")
+            for job, _ in work:
+                self.speculation.drop(job.session_id)
+        self.stats.add(forwards=1)
+        return True
+
+    def _start_branches(self, job: SpeculationJob, logits: torch.Tensor) -> None:
+        """The probe's logits after d_γ give the bonus candidates: the drafter's top-`fanout`."""
+        params, prompt_length, fmt, _ = job.key
+        probs = process_logits(logits, params, self.token_context(job.prefix + [job.last_draft], prompt_length))[0]
+        top_p, top_i = torch.topk(probs, min(job.fanout, probs.shape[-1]))
+        candidates = [int(i) for p, i in zip(top_p.tolist(), top_i.tolist()) if p > 0]
+        probe = job.branches[0] if job.branches else None  # empty if the session closed meanwhile
+        if probe is not None:
+            self.lm.crop(probe.slot, len(job.prefix))
+        self.speculation.start(job, candidates, lambda: ProposalBuilder(fmt, self.lm.vocab_size))
+
+    def _advance(self, job: SpeculationJob, branch: Branch, logits: torch.Tensor) -> None:
+        branch.tokens.extend(branch.pending)
+        branch.drafts.append(self._draft_token(branch.tokens, job.key, branch.builder, logits))
+        branch.pending = [] if branch.done(job.gamma) else [branch.drafts[-1]]
+        self.speculation.stats.draft_tokens += 1
 
     def _finish(self, r: _Request) -> DraftOut:
         session = r.session
@@ -103,4 +220,5 @@ class DrafterEngine(ServingModel):
         self.stats.add(draft_tokens=len(r.drafts))
         log.debug("draft session=%s appended=%d drafts=%d kv=%d",
                   session.session_id, len(r.append_token_ids), len(r.drafts), session.length)
-        return DraftOut(draft_token_ids=r.drafts, proposal=r.builder.build(), kv_length=session.length)
+        return DraftOut(draft_token_ids=r.drafts, proposal=r.builder.build(), kv_length=session.length,
+                        cached_draft_tokens=r.cached)

@@ -33,10 +33,10 @@ class DrafterServicer(SessionMethods, pb_grpc.DrafterServicer):
             proposal_format_from_pb(request.proposal_format, params.greedy),
             prompt_length=request.prompt_length,
             owner=caller_owner(context),  # someone else's session is NOT_FOUND
+            fanout=request.fanout,
         )
-        return pb.DraftResponse(
-            draft_token_ids=out.draft_token_ids, proposal=proposal_to_pb(out.proposal), kv_length=out.kv_length
-        )
+        return pb.DraftResponse(draft_token_ids=out.draft_token_ids, proposal=proposal_to_pb(out.proposal),
+                                kv_length=out.kv_length, cached_draft_tokens=out.cached_draft_tokens)
 
 
 def start(engine: DrafterEngine, host: str = "127.0.0.1", port: int = 0, **kwargs):

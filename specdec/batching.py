@@ -60,10 +60,13 @@ class BatchScheduler:
     """Runs `run_batch(items)` on a dedicated thread; `run_batch` must settle every item's future."""
 
     def __init__(self, run_batch: Callable[[list[WorkItem]], None], policy: BatchPolicy = BatchPolicy(),
-                 threads: int | None = None, name: str = "engine") -> None:
+                 threads: int | None = None, name: str = "engine", idle: Callable[[], bool] | None = None) -> None:
+        """idle: background work (the drafter's speculation), one short step per call, run
+        only while no request waits; returns False when there is none left."""
         self.policy = policy
         self.stats = BatchStats()
         self._run_batch = run_batch
+        self._idle = idle
         self._threads = threads
         self._queue: queue.Queue[WorkItem | None] = queue.Queue()
         self._last_batch_size = 0
@@ -101,11 +104,27 @@ class BatchScheduler:
             batch.append(item)
         return batch
 
+    def _next_item(self) -> WorkItem | None:
+        """The next request; while none waits, idle steps run one at a time, so a request
+        waits for at most one of them."""
+        while self._idle is not None:
+            try:
+                return self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            try:
+                if not self._idle():
+                    break
+            except Exception:  # noqa: BLE001 - background work must not stop the engine
+                log.exception("idle step failed")
+                break
+        return self._queue.get()
+
     def _loop(self) -> None:
         if self._threads:
             torch.set_num_threads(self._threads)
         while True:
-            first = self._queue.get()
+            first = self._next_item()
             if first is None:
                 return
             batch = self._collect(first)

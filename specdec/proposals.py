@@ -105,6 +105,10 @@ class ProposalBuilder:
         self._tokens.append(token)
         return token
 
+    def keep(self, n: int) -> None:
+        """Forget every draft after the first n (a pre-drafted branch answering a smaller γ)."""
+        del self._tokens[n:], self._rows[n:], self._ids[n:]
+
     def build(self) -> Proposal:
         k = len(self._tokens)
         if not self._rows:

@@ -65,6 +65,7 @@ class EngineConfig:
     kv_budget_mb: float | None = None  # None: no byte budget, only max_sessions
     max_batch_size: int = 32
     max_wait_ms: float = 10.0
+    speculation_slots: int = 16  # drafter: KV slots for pre-drafted branches (DraftRequest.fanout), all sessions
 
 
 class ServingModel:
@@ -89,7 +90,7 @@ class ServingModel:
         )
         self.scheduler = BatchScheduler(
             self._run_batch, BatchPolicy(config.max_batch_size, config.max_wait_ms), threads=self.lm.threads,
-            name=self.role,
+            name=self.role, idle=self._idle,
         )
         self.stats = ServingStats()
         self.info = ModelInfo(
@@ -172,6 +173,10 @@ class ServingModel:
 
     def _run_batch(self, items: list[WorkItem]) -> None:
         raise NotImplementedError
+
+    def _idle(self) -> bool:
+        """One step of background work on the engine thread, if any (see BatchScheduler)."""
+        return False
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()

@@ -76,6 +76,10 @@ class SessionStore:
         with self._mutex:
             return len(self._sessions)
 
+    def __contains__(self, session_id: str) -> bool:
+        with self._mutex:
+            return session_id in self._sessions
+
     def kv_tokens(self) -> int:
         with self._mutex:
             return sum(s.length for s in self._sessions.values())

@@ -40,6 +40,12 @@ class KVSlot:
         return self.data.numel() * self.data.element_size()
 
 
+def copy_prefix(dst: KVSlot, src: KVSlot, length: int) -> None:
+    """Fork: dst holds src's first `length` positions (a copy of [L, 2, H_kv, length, D])."""
+    dst.data[:, :, :, :length].copy_(src.data[:, :, :, :length])
+    dst.length = length
+
+
 @dataclass(frozen=True)
 class Row:
     """One session's part of a batched forward: append `token_ids` after `slot.length`

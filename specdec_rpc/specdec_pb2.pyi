@@ -147,7 +147,7 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session_id", "truncate_to", "append_token_ids", "num_draft_tokens", "sampling", "proposal_format", "prompt_length")
+    __slots__ = ("session_id", "truncate_to", "append_token_ids", "num_draft_tokens", "sampling", "proposal_format", "prompt_length", "fanout")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_TO_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,7 @@ class DraftRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FORMAT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    FANOUT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     truncate_to: int
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -162,17 +163,20 @@ class DraftRequest(_message.Message):
     sampling: SamplingParams
     proposal_format: ProposalFormat
     prompt_length: int
-    def __init__(self, session_id: _Optional[str] = ..., truncate_to: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., proposal_format: _Optional[_Union[ProposalFormat, _Mapping]] = ..., prompt_length: _Optional[int] = ...) -> None: ...
+    fanout: int
+    def __init__(self, session_id: _Optional[str] = ..., truncate_to: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., proposal_format: _Optional[_Union[ProposalFormat, _Mapping]] = ..., prompt_length: _Optional[int] = ..., fanout: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("draft_token_ids", "proposal", "kv_length")
+    __slots__ = ("draft_token_ids", "proposal", "kv_length", "cached_draft_tokens")
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     KV_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CACHED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     proposal: Proposal
     kv_length: int
-    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., kv_length: _Optional[int] = ...) -> None: ...
+    cached_draft_tokens: int
+    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., kv_length: _Optional[int] = ..., cached_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "truncate_to", "append_token_ids", "draft_token_ids", "proposal", "sampling", "prompt_length")
@@ -221,7 +225,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("role", "requests", "failed_requests", "forwards", "draft_tokens", "accepted_tokens", "emitted_tokens", "live_sessions", "kv_tokens", "kv_bytes", "batches", "evictions")
+    __slots__ = ("role", "requests", "failed_requests", "forwards", "draft_tokens", "accepted_tokens", "emitted_tokens", "live_sessions", "kv_tokens", "kv_bytes", "batches", "evictions", "speculation_hits", "speculation_partial_hits", "speculation_misses", "speculation_draft_tokens", "speculation_dropped_branches")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FAILED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +238,11 @@ class ServerStats(_message.Message):
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_HITS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_PARTIAL_HITS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_MISSES_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_DROPPED_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     role: str
     requests: int
     failed_requests: int
@@ -246,4 +255,9 @@ class ServerStats(_message.Message):
     kv_bytes: int
     batches: int
     evictions: int
-    def __init__(self, role: _Optional[str] = ..., requests: _Optional[int] = ..., failed_requests: _Optional[int] = ..., forwards: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., emitted_tokens: _Optional[int] = ..., live_sessions: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., batches: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+    speculation_hits: int
+    speculation_partial_hits: int
+    speculation_misses: int
+    speculation_draft_tokens: int
+    speculation_dropped_branches: int
+    def __init__(self, role: _Optional[str] = ..., requests: _Optional[int] = ..., failed_requests: _Optional[int] = ..., forwards: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., emitted_tokens: _Optional[int] = ..., live_sessions: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., batches: _Optional[int] = ..., evictions: _Optional[int] = ..., speculation_hits: _Optional[int] = ..., speculation_partial_hits: _Optional[int] = ..., speculation_misses: _Optional[int] = ..., speculation_draft_tokens: _Optional[int] = ..., speculation_dropped_branches: _Optional[int] = ...) -> None: ...

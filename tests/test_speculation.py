@@ -1,0 +1,296 @@
+"""Speculation cache (DraftRequest.fanout): the bookkeeping alone, the drafter engine on
+the real model (drafts, proposals and KV lengths identical to plain Draft calls, hit or
+miss), and the gRPC pair (greedy = target-only; seeded sampling the same with and
+without the cache)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from specdec.speculation import SpeculationCache, SpeculationJob
+
+
+class FakeSlot:
+    def __init__(self, name: str) -> None:
+        self.name, self.length, self.data = name, 0, []
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _copy(dst: FakeSlot, src: FakeSlot, n: int) -> None:
+    dst.data, dst.length = list(src.data[:n]), n
+
+
+def _cache(max_slots: int) -> tuple[SpeculationCache, list[FakeSlot]]:
+    made: list[FakeSlot] = []
+
+    def new_slot() -> FakeSlot:
+        made.append(FakeSlot(f"s{len(made)}"))
+        return made[-1]
+
+    return SpeculationCache(max_slots, new_slot, _copy), made
+
+
+def _job(sid: str, prefix=(1, 2, 3), last=4, gamma=2, fanout=2, key="k") -> SpeculationJob:
+    src = FakeSlot(f"main-{sid}")
+    src.data, src.length = list(prefix), len(prefix)
+    return SpeculationJob(sid, src, list(prefix), last, gamma, fanout, key)
+
+
+def _run_to_completion(cache: SpeculationCache, candidates=(7, 8)) -> None:
+    """Drive the jobs as the engine does: probe, then each branch's drafts (draft = 100 + step)."""
+    for _ in range(100):
+        work = cache.work(limit=8)
+        if not work:
+            return
+        for job, branch in work:
+            if branch is None:
+                job.branches[0].slot.length = len(job.prefix)
+                cache.start(job, list(candidates)[: job.fanout], builder_factory)
+            else:
+                branch.tokens.extend(branch.pending)
+                branch.drafts.append(100 + len(branch.drafts))
+                branch.pending = [] if branch.done(job.gamma) else [branch.drafts[-1]]
+    raise AssertionError("speculation never finished")
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.kept = None
+
+    def keep(self, n: int) -> None:
+        self.kept = n
+
+
+def builder_factory() -> _Builder:
+    return _Builder()
+
+
+def test_hit_returns_the_matching_branch_and_releases_the_others():
+    cache, made = _cache(max_slots=4)
+    cache.submit(_job("a"))
+    _run_to_completion(cache)
+    assert cache.candidates("a") == [7, 8]
+    branch = cache.take("a", [1, 2, 3, 4, 8], "k")  # all accepted, bonus = second candidate
+    assert branch is not None and branch.candidate == 8 and branch.drafts == [100, 101]
+    assert branch.tokens == [1, 2, 3, 4, 8, 100] and branch.slot.data == [1, 2, 3]  # forked from the prefix
+    assert not cache.pending("a")
+    assert cache.slots_in_use() == 1  # the other branch's slot is free for reuse; the hit's belongs to the session
+    cache.adopt(FakeSlot("old-main"))
+    assert cache.slots_in_use() == 2
+    assert cache.stats.dropped_branches == 1 and cache.stats.misses == 0
+
+
+@pytest.mark.parametrize("sequence,key", [
+    ([1, 2, 3, 4, 9], "k"),  # bonus not among the candidates
+    ([1, 2, 3, 5, 7], "k"),  # d_γ rejected, another token in its place
+    ([1, 2, 3, 4], "k"),  # shorter (a rejection earlier)
+    ([1, 2, 0, 4, 7], "k"),  # a different prefix
+    ([1, 2, 3, 4, 7], "other sampling params"),
+])
+def test_miss_when_the_sequence_or_the_request_differs(sequence, key):
+    cache, _ = _cache(max_slots=4)
+    cache.submit(_job("a"))
+    _run_to_completion(cache)
+    assert cache.take("a", sequence, key) is None
+    assert cache.stats.misses == 1 and cache.stats.dropped_branches == 2
+    assert cache.take("a", [1, 2, 3, 4, 7], "k") is None  # the job is gone after the miss
+    assert cache.stats.misses == 1  # no job, no miss counted
+
+
+def test_partial_branch_is_returned_with_its_drafts_so_far_and_an_unstarted_one_is_not():
+    cache, _ = _cache(max_slots=4)
+    cache.submit(_job("a", gamma=3))
+    cache.work(8)  # the probe's row
+    job = cache._jobs["a"]
+    job.branches[0].slot.length = 3
+    cache.start(job, [7, 8], builder_factory)
+    (j, branch), = cache.work(8)
+    branch.tokens.extend(branch.pending)
+    branch.drafts.append(100)
+    branch.pending = [100]
+    assert cache.take("a", [1, 2, 3, 4, 8], "k") is None  # branch 8 never started
+    cache.submit(_job("a", gamma=3))
+    cache.work(8)
+    job = cache._jobs["a"]
+    job.branches[0].slot.length = 3
+    cache.start(job, [7, 8], builder_factory)
+    (j, branch), = cache.work(8)
+    branch.tokens.extend(branch.pending)
+    branch.drafts.append(100)
+    branch.pending = [100]
+    got = cache.take("a", [1, 2, 3, 4, 7], "k")
+    assert got is branch and got.drafts == [100] and got.pending == [100]
+
+
+def test_slots_are_bounded_reused_and_the_oldest_job_gives_way():
+    cache, made = _cache(max_slots=3)
+    for sid in ("a", "b", "c"):
+        cache.submit(_job(sid))
+    _run_to_completion(cache)
+    assert len(made) == 3 and cache.slots_in_use() == 3  # never more than max_slots
+    # a (oldest) lost its slots to b and c; b then lost one to c at most: the newest job is complete
+    assert cache.candidates("c") == [7, 8]
+    assert cache.take("c", [1, 2, 3, 4, 7], "k") is not None
+    cache.adopt(FakeSlot("old-main-c"))
+    cache.drop("a")
+    cache.drop("b")
+    assert cache.slots_in_use() == 3 and not cache.pending("b")
+    cache.submit(_job("d"))
+    _run_to_completion(cache)
+    assert len(made) == 3  # d ran in reused slots, nothing new allocated
+    assert cache.candidates("d") == [7, 8]
+
+
+def test_a_new_job_supersedes_the_sessions_old_one_and_dead_sessions_are_dropped():
+    cache, _ = _cache(max_slots=4)
+    cache.submit(_job("a"))
+    _run_to_completion(cache)
+    cache.submit(_job("a", prefix=(1, 2, 3, 4, 7, 100)))
+    assert cache.stats.dropped_branches == 2
+    assert cache.work(8, alive=lambda sid: False) == []
+    assert not cache.pending("a") and cache.slots_in_use() == 2  # slots kept on the free list
+    off, _ = _cache(max_slots=0)
+    off.submit(_job("a"))
+    assert not off.pending("a")
+
+
+# ---- the drafter engine on the real model -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engines():
+    from drafter_service.engine import DrafterEngine
+    from specdec.models import ModelSpec
+    from specdec.serving import EngineConfig
+
+    plain = DrafterEngine(ModelSpec(dtype="float16"), EngineConfig(speculation_slots=0, max_draft_tokens=8))
+    cached = DrafterEngine(ModelSpec(dtype="float16"), EngineConfig(speculation_slots=4, max_draft_tokens=8),
+                           lm=plain.lm)
+    assert plain.speculation is None and cached.speculation is not None
+    yield plain, cached
+    plain.shutdown()
+    cached.shutdown()
+
+
+def _wait_candidates(engine, sid: str, timeout_s: float = 60.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = engine.speculation.candidates(sid)
+        if got is not None:
+            return got
+        time.sleep(0.005)
+    raise AssertionError("the speculation did not finish")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_engine_drafts_are_the_same_with_the_cache_hit_or_miss(engines, temperature):
+    """Rounds with every verdict kind; the cached engine's answers (drafts, proposal bytes,
+    KV length) equal the plain engine's for the same requests, and its KV stays consistent."""
+    from specdec.proposals import ProposalFormat
+    from specdec.sampling import SamplingParams
+
+    plain, cached = engines
+    params = SamplingParams(temperature=temperature, seed=11)
+    fmt = ProposalFormat(kind="ids") if temperature == 0 else ProposalFormat(kind="dense", dtype="float16")
+    prompt = plain.lm.tokenizer("The quick brown fox jumps over the lazy dog. The quick brown",
+                                add_special_tokens=False).input_ids
+    # Each round: γ, then the verdict: accepted drafts (None = all) and the next token, a
+    # bonus candidate of the drafter ("c0", "c1") or a token that is none of them ("x").
+    plan = [(4, None, "c0"),
+            (3, None, "c1"),  # a hit answering a smaller γ than the branch drafted
+            (4, 1, "x"),  # a partial hit (the branch drafted 3), then a rejection
+            (4, None, "c0"),  # a miss
+            (4, None, "x"),  # a hit
+            (4, 2, "c0"),  # a miss
+            (4, None, "c0"),  # a miss (rejection before)
+            (4, None, "c0")]  # a hit
+    answers, sequences = {}, {}
+    for name, engine in (("cached", cached), ("plain", plain)):
+        sid = engine.open_session()
+        committed, kv, out_rounds = list(prompt), 0, []
+        for i, (gamma, accepted, bonus) in enumerate(plan):
+            out = engine.draft(sid, kv, committed[kv:], gamma, params, fmt, fanout=2)
+            session = engine.sessions._sessions[sid]
+            assert out.kv_length == session.length == len(session.tokens) == len(committed) + gamma - 1
+            assert session.tokens == committed + out.draft_token_ids[:-1]
+            if name == "cached":
+                candidates = _wait_candidates(engine, sid)
+                token = (next(t for t in range(100, 200) if t not in candidates) if bonus == "x"
+                         else candidates[int(bonus[1])])
+                sequences[i] = out.draft_token_ids[:accepted] + [token]
+            committed = committed + sequences[i]
+            kv = min(out.kv_length, len(committed) - 1)
+            out_rounds.append((out.draft_token_ids, out.proposal, out.kv_length, out.cached_draft_tokens))
+        answers[name] = out_rounds
+        engine.close_session(sid)
+    for (d1, p1, k1, c1), (d2, p2, k2, _) in zip(answers["cached"], answers["plain"]):
+        assert (d1, k1) == (d2, k2)
+        assert p1 == p2  # the same q rows, byte for byte
+    cached_counts = [c for *_, c in answers["cached"]]
+    assert cached_counts == [0, 3, 3, 0, 4, 0, 0, 4]
+    stats = cached.snapshot_stats()
+    assert stats["speculation_hits"] >= 3 and stats["speculation_partial_hits"] >= 1
+
+
+def test_engine_cache_is_off_without_fanout_and_closing_drops_branches(engines):
+    from specdec.sampling import SamplingParams
+
+    _, cached = engines
+    params = SamplingParams(temperature=0)
+    sid = cached.open_session()
+    cached.draft(sid, 0, [1, 2, 3, 4], 4, params)
+    assert not cached.speculation.pending(sid)
+    cached.draft(sid, 6, [5, 6], 4, params, fanout=1)
+    assert cached.speculation.pending(sid)
+    cached.close_session(sid)
+    assert not cached.speculation.pending(sid)
+
+
+# ---- over gRPC ----------------------------------------------------------------------------
+
+
+PROMPTS = ["Write a haiku about the sea.", "List three prime numbers and explain why they are prime."]
+
+
+@pytest.fixture(scope="module")
+def fanout_client(verifier_proc, drafter_proc):
+    from client.speculative import SpeculativeClient
+
+    with SpeculativeClient(verifier_proc.address, drafter=drafter_proc.address, fanout=2) as c:
+        yield c
+
+
+def test_grpc_greedy_with_the_cache_equals_target_only_and_hits(client, fanout_client):
+    from specdec.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=40)
+    hits = 0
+    for prompt in PROMPTS:
+        base = client.generate(prompt, params, target_only=True, chat=True)
+        spec = fanout_client.generate(prompt, params, num_speculative_tokens=4, chat=True)
+        assert spec.token_ids == base.token_ids
+        hits += spec.cached_draft_tokens
+    assert hits > 0  # the float16 drafter's verdicts are mostly "all accepted": branches get used
+
+
+def test_grpc_seeded_sampling_is_the_same_with_and_without_the_cache(int8_drafter_proc, verifier_proc):
+    """The low-acceptance drafter, so rejections (misses) and hits both happen."""
+    from client.speculative import SpeculativeClient
+    from specdec.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.9, seed=5, max_tokens=40)
+    with SpeculativeClient(verifier_proc.address, drafter=int8_drafter_proc.address) as off, \
+            SpeculativeClient(verifier_proc.address, drafter=int8_drafter_proc.address, fanout=2) as on:
+        cached = 0
+        for prompt in PROMPTS:
+            a = off.generate(prompt, params, num_speculative_tokens=3, chat=True)
+            b = on.generate(prompt, params, num_speculative_tokens=3, chat=True)
+            assert a.token_ids == b.token_ids
+            assert a.num_accepted_tokens == b.num_accepted_tokens and a.num_rounds == b.num_rounds
+            assert b.cached_draft_tokens <= b.num_draft_tokens
+            cached += b.cached_draft_tokens
+    assert cached > 0  # some rounds did come from branches
