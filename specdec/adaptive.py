@@ -2,11 +2,16 @@
 
 With per-token acceptance α (drafts accepted independently, as in Leviathan et al.), a
 round with γ drafts emits E(γ) = (1 − α^(γ+1)) / (1 − α) tokens on average and costs
-γ·c_draft + c_verify seconds, so the controller picks
+γ·c_draft + c_verify(γ) seconds, so the controller picks
 
-    γ* = argmax_{γ_min <= γ <= γ_max}  E(γ) / (γ·c_draft + c_verify)
+    γ* = argmax_{γ_min <= γ <= γ_max}  E(γ) / (γ·c_draft + c_verify(γ))
 
-from exponentially decayed estimates of α and of the two costs, measured each round.
+from exponentially decayed estimates of α and of the costs, measured each round. The
+verify cost is modelled as a + b·γ, fitted by decayed least squares over the rounds'
+(γ, seconds): on a CPU a 9-token verify costs ~1.5x a 1-token one, and a constant
+c_verify would overrate long rounds. While the recent rounds all had the same γ the
+slope is unknown and taken as 0. c_draft is what the client waited for per draft: with
+the drafter's speculation cache, only the part left on the critical path.
 α is estimated from the accepted prefixes: a round that accepted a of k drafts saw a
 successes and, when a < k, one failure (the maximum-likelihood estimate for a geometric
 prefix). Until the costs are measured the controller proposes γ_max.
@@ -14,7 +19,7 @@ prefix). Until the costs are measured the controller proposes γ_max.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -34,7 +39,8 @@ class AdaptiveGamma:
     _successes: float = 0.0
     _trials: float = 0.0
     _c_draft: float | None = None  # seconds per drafted token
-    _c_verify: float | None = None  # seconds per verify round
+    # decayed sums over rounds of 1, γ, γ², t, γ·t (t = verify seconds): a least-squares fit of t = a + b·γ
+    _v: list[float] = field(default_factory=lambda: [0.0] * 5)
 
     def __post_init__(self) -> None:
         if not 0 <= self.gamma_min <= self.gamma_max:
@@ -55,16 +61,26 @@ class AdaptiveGamma:
         self._trials = self.decay * self._trials + accepted + failures
         per_token = draft_s / proposed
         self._c_draft = per_token if self._c_draft is None else self.decay * self._c_draft + (1 - self.decay) * per_token
-        self._c_verify = verify_s if self._c_verify is None else self.decay * self._c_verify + (1 - self.decay) * verify_s
+        g = float(proposed)
+        self._v = [self.decay * s + x for s, x in zip(self._v, (1.0, g, g * g, verify_s, g * verify_s))]
+
+    def verify_cost(self) -> tuple[float, float]:
+        """(a, b) of the verify cost a + b·γ in seconds; b = 0 until γ has varied."""
+        w, sg, sgg, st, sgt = self._v
+        det = w * sgg - sg * sg
+        b = max(0.0, (w * sgt - sg * st) / det) if w > 0 and det > 1e-6 * w * w else 0.0
+        a = max(0.0, (st - b * sg) / w) if w > 0 else 0.0
+        return a, b
 
     def next_gamma(self, limit: int | None = None) -> int:
         """The γ with the highest expected tokens per second, within [gamma_min, min(gamma_max, limit)]."""
         hi = self.gamma_max if limit is None else max(self.gamma_min, min(self.gamma_max, limit))
-        if self._c_draft is None or self._c_verify is None:
+        if self._c_draft is None:
             return hi
         alpha = self.alpha
+        a, b = self.verify_cost()
 
         def rate(g: int) -> float:
-            return expected_tokens(alpha, g) / (g * self._c_draft + self._c_verify)
+            return expected_tokens(alpha, g) / (g * (self._c_draft + b) + a)
 
         return max(range(self.gamma_min, hi + 1), key=rate)

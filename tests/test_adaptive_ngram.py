@@ -53,3 +53,19 @@ def test_controller_matches_brute_force_optimum():
     alpha = 2 / 3
     best = max(range(1, 9), key=lambda g: expected_tokens(alpha, g) / (0.01 * g + 0.1))
     assert ctl.next_gamma() == best
+
+
+def test_controller_fits_a_verify_cost_that_grows_with_gamma():
+    """Verify costs 0.05 + 0.02·γ: a constant-cost model would pick a longer round than the optimum."""
+    ctl = AdaptiveGamma(gamma_min=1, gamma_max=8, decay=0.95)
+    alpha = 0.8
+    for rnd in range(40):
+        g = 1 + rnd % 8  # rounds of every length, as acceptance changes would produce
+        ctl.update(g, round(alpha * g), draft_s=0.005 * g, verify_s=0.05 + 0.02 * g)
+    a, b = ctl.verify_cost()
+    assert a == pytest.approx(0.05, rel=1e-6) and b == pytest.approx(0.02, rel=1e-6)
+    est = ctl.alpha
+    best = max(range(1, 9), key=lambda g: expected_tokens(est, g) / (0.005 * g + 0.05 + 0.02 * g))
+    flat = max(range(1, 9), key=lambda g: expected_tokens(est, g) / (0.005 * g + 0.05 + 0.02 * 4.5))
+    assert ctl.next_gamma() == best
+    assert best < flat  # the fit matters here
