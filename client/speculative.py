@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator, Sequence
 
 import grpc
 
+from client.pool import Server, ServerPool, parse_addresses
 from specdec.models import ModelSpec, load_tokenizer, tokenizer_fingerprint
 from specdec.proposals import DENSE, IDS_ONLY, ProposalFormat
 from specdec.sampling import REJECTION, SamplingParams
@@ -51,12 +52,18 @@ class GenerationResult:
     # the target's processed distribution, its rank, and the top-N {token id: logprob}.
     logprobs: list[dict] | None = None
     proposal_bytes: int = 0  # proposal bytes the drafter sent, summed over rounds
-    # Faults survived. Fallback rounds ran without drafts because the drafter was
-    # unreachable (the output distribution is the same, only slower); every recovery
-    # re-created a verifier session and re-prefilled it from the committed tokens.
-    drafter_failures: int = 0
+    # Faults survived. Fallback rounds ran without drafts because no drafter was reachable
+    # (the output distribution is the same, only slower); every recovery re-created a
+    # verifier session and re-prefilled it from the committed tokens. A failover is a lost
+    # session re-opened (and re-prefilled) on another server of the pool.
+    drafter_failures: int = 0  # failed Draft calls and failed attempts to open a drafter session
     drafter_fallback_rounds: int = 0
     verifier_recoveries: int = 0
+    drafter_failovers: int = 0
+    verifier_failovers: int = 0
+    # The servers this generation had its sessions on, in order (a new entry per move).
+    drafter_addresses: list[str] = field(default_factory=list)
+    verifier_addresses: list[str] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -92,16 +99,17 @@ def _lcp(cached: Sequence[int], committed: Sequence[int], limit: int) -> int:
 
 
 class SpeculativeClient:
-    """Speculative decoding over a drafter and a verifier service.
+    """Speculative decoding over a drafter and a verifier service, or pools of each.
 
     >>> client = SpeculativeClient("127.0.0.1:50052", drafter="127.0.0.1:50051")
     >>> client.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8)).text
+    >>> pools = SpeculativeClient(["10.0.0.5:50052", "10.0.0.6:50052"], drafter="10.0.0.7:50051,10.0.0.8:50051")
     """
 
     def __init__(
         self,
-        verifier: str,
-        drafter: str | None = None,
+        verifier: str | Sequence[str],
+        drafter: str | Sequence[str] | None = None,
         *,
         tokenizer=None,
         timeout_s: float = 60.0,
@@ -113,7 +121,13 @@ class SpeculativeClient:
         auth_token: str | None = None,
         recovery_timeout_s: float = 60.0,
     ) -> None:
-        """tls_*: PEM paths (any of them turns TLS on; cert + key for mutual TLS);
+        """verifier, drafter: HOST:PORT, or a pool of several (a sequence, or one
+        comma-separated string). Each generation keeps one verifier and one drafter session,
+        opened on the server of the pool with the fewest live sessions of this client; when
+        that server fails, the session moves to another one and is re-prefilled. Every server
+        that answers now must fit the others (else IncompatibleModels); one that does not
+        answer is tried again later, as long as one server of its pool answers now.
+        tls_*: PEM paths (any of them turns TLS on; cert + key for mutual TLS);
         auth_token: sent as `authorization: Bearer` on every call. recovery_timeout_s: how
         long a generation keeps retrying a restarting verifier before it fails."""
         self.timeout_s = timeout_s
@@ -121,22 +135,79 @@ class SpeculativeClient:
         self.proposal_format = proposal_format
         self.recovery_timeout_s = recovery_timeout_s
         tls = TLSFiles(cert=tls_cert, key=tls_key, ca=tls_ca)
-        self._channels = [open_channel(verifier, tls=tls, auth_token=auth_token, options=CHANNEL_OPTIONS)]
-        self.verifier = pb_grpc.VerifierStub(self._channels[0])
-        self.verifier_info = model_info_from_pb(self.verifier.GetModelInfo(pb.ModelInfoRequest(), timeout=timeout_s))
-        self.drafter = None
-        self.drafter_info: ModelInfo | None = None
-        if drafter:
-            self._channels.append(open_channel(drafter, tls=tls, auth_token=auth_token, options=CHANNEL_OPTIONS))
-            self.drafter = pb_grpc.DrafterStub(self._channels[1])
-            self.drafter_info = model_info_from_pb(self.drafter.GetModelInfo(pb.ModelInfoRequest(), timeout=timeout_s))
-            check_compatible(self.drafter_info, self.verifier_info)
+        self._channels: list[grpc.Channel] = []
+
+        def pool(role: str, addresses: list[str], stub_class) -> ServerPool:
+            servers = []
+            for address in addresses:
+                self._channels.append(open_channel(address, tls=tls, auth_token=auth_token, options=CHANNEL_OPTIONS))
+                servers.append(Server(address, stub_class(self._channels[-1])))
+            return ServerPool(role, servers)
+
+        try:
+            self.verifiers = pool("verifier", parse_addresses(verifier, "verifier"), pb_grpc.VerifierStub)
+            drafters = parse_addresses(drafter, "drafter")
+            self.drafters = pool("drafter", drafters, pb_grpc.DrafterStub) if drafters else None
+            self._join_pools()
+        except BaseException:
+            self.close()
+            raise
         self.tokenizer = tokenizer or load_tokenizer(ModelSpec(model=self.verifier_info.tokenizer_source))
         if tokenizer_fingerprint(self.tokenizer) != self.verifier_info.tokenizer_fingerprint:
             raise IncompatibleModels(
                 f"the client's tokenizer differs from the verifier's ({self.verifier_info.model}); "
                 "pass the verifier's tokenizer"
             )
+
+    def _join_pools(self) -> None:
+        """Ask every server for its model at once; set verifier_info / drafter_info: the first
+        answering server's, with the pool's smallest limits (max_context, max_draft_tokens)."""
+        verifiers = self._probe(self.verifiers, _VERIFIER_LOST)
+        ref = verifiers[0][1]
+        for _, info in verifiers[1:]:
+            _check_same_target(info, ref)
+        self.verifier_info = _smallest_limits(ref, [info for _, info in verifiers])
+        for server, info in verifiers:
+            self.verifiers.succeeded(server, info)
+        self.drafter_info: ModelInfo | None = None
+        if self.drafters is not None:
+            drafters = self._probe(self.drafters, _DRAFTER_LOST)
+            for server, info in drafters:
+                check_compatible(info, self.verifier_info)
+            self.drafter_info = _smallest_limits(drafters[0][1], [info for _, info in drafters])
+            for server, info in drafters:
+                self.drafters.succeeded(server, info)
+
+    def _probe(self, pool: ServerPool, lost: frozenset) -> list[tuple[Server, ModelInfo]]:
+        """(server, its ModelInfo) of the servers that answer GetModelInfo, in pool order; the
+        others are marked down (tried again when a session needs one). Raises the first
+        error if none answers, or any error that is not a lost server's."""
+        calls = [(s, s.stub.GetModelInfo.future(pb.ModelInfoRequest(), timeout=self.timeout_s))
+                 for s in pool.servers]
+        answered, errors = [], []
+        for server, call in calls:
+            try:
+                answered.append((server, model_info_from_pb(call.result())))
+            except grpc.RpcError as exc:
+                if exc.code() not in lost:
+                    raise
+                log.warning("%s %s unavailable at start code=%s details=%r; will retry it", pool.role,
+                            server.address, exc.code().name, exc.details())
+                pool.failed(server)
+                errors.append(exc)
+        if not answered:
+            raise errors[0]
+        return answered
+
+    @property
+    def verifier(self) -> pb_grpc.VerifierStub:
+        """The first listed verifier (generations use the whole pool, `verifiers`)."""
+        return self.verifiers.servers[0].stub
+
+    @property
+    def drafter(self) -> pb_grpc.DrafterStub | None:
+        """The first listed drafter, or None without drafters (generations use `drafters`)."""
+        return self.drafters.servers[0].stub if self.drafters is not None else None
 
     def close(self) -> None:
         for ch in self._channels:
@@ -200,7 +271,7 @@ class SpeculativeClient:
         if gamma_max < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {gamma_max}")
         speculative = not target_only and gamma_max > 0
-        if speculative and self.drafter is None:
+        if speculative and self.drafters is None:
             raise ValueError("speculative decoding needs a drafter address (or use target_only=True)")
         if speculative:
             gamma_max = self.effective_gamma(gamma_max)
@@ -232,15 +303,15 @@ class SpeculativeClient:
         timeout = self.timeout_s
         # The committed list is the source of truth: a session lost on either side is
         # replaced by a new one that is re-prefilled from it (kv = [] -> truncate_to = 0).
-        v_sid = self._open_verifier_session()
+        verifier = _Link()  # this generation's verifier session
+        self._open_verifier_session(verifier, result)
         committed = list(prompt_ids)
-        verifier_kv: list[int] = []  # tokens the verifier's cache holds
-        draft_link = _DrafterLink(max_draft_tokens=gamma_max)
-        if gamma_max:
-            self._connect_drafter(draft_link, result, check_info=False)
+        draft_link = _DrafterLink(gamma_max=gamma_max, max_draft_tokens=gamma_max)
         emitted_text = ""
         drafter_context = self.drafter_info.max_context if self.drafter_info else 0
         try:
+            if gamma_max:
+                self._connect_drafter(draft_link, result)
             finished = False
             while not finished:
                 remaining = params.max_tokens - len(result.token_ids)
@@ -254,26 +325,30 @@ class SpeculativeClient:
                 ts = time.perf_counter()
                 give_up = time.monotonic() + self.recovery_timeout_s  # bounds the retries of this round
                 while True:
-                    keep = _lcp(verifier_kv, committed, len(committed) - 1)
-                    req = pb.VerifyRequest(session_id=v_sid, truncate_to=keep, append_token_ids=committed[keep:],
-                                           draft_token_ids=drafts, sampling=sampling, prompt_length=prompt_length)
+                    keep = _lcp(verifier.kv, committed, len(committed) - 1)
+                    req = pb.VerifyRequest(session_id=verifier.session_id, truncate_to=keep,
+                                           append_token_ids=committed[keep:], draft_token_ids=drafts,
+                                           sampling=sampling, prompt_length=prompt_length)
                     if proposal is not None:
                         req.proposal.CopyFrom(proposal)
                     try:
-                        vresp = self.verifier.Verify(req, timeout=timeout)
+                        vresp = verifier.server.stub.Verify(req, timeout=timeout)
                         break
                     except grpc.RpcError as exc:
                         if exc.code() not in _VERIFIER_LOST or time.monotonic() > give_up:
                             raise
-                        self._close_quietly(self.verifier, v_sid)  # e.g. after a deadline it may still exist
+                        log.warning("verifier %s lost session=%s code=%s details=%r; re-opening it on the pool for "
+                                    "up to %.0f s", verifier.server.address, verifier.session_id, exc.code().name,
+                                    exc.details(), self.recovery_timeout_s)
+                        self._lose(self.verifiers, verifier, exc.code(), close=True)  # after a deadline it may exist
                         # The drafts stay valid: they were proposed for `committed`, which is unchanged.
-                        v_sid, verifier_kv = self._recover_verifier(exc, v_sid), []
+                        self._open_verifier_session(verifier, result, exc)
                         result.verifier_recoveries += 1
                 now = time.perf_counter()
                 result.verify_time_s += now - ts
                 out = list(vresp.output_token_ids)
-                verifier_kv = committed + out[:-1]
-                _check_kv("verifier", vresp.kv_length, len(verifier_kv))
+                verifier.kv = committed + out[:-1]
+                _check_kv("verifier", vresp.kv_length, len(verifier.kv))
                 result.num_rounds += 1
                 result.num_draft_tokens += len(drafts)
                 result.num_accepted_tokens += vresp.num_accepted
@@ -314,24 +389,26 @@ class SpeculativeClient:
                 else:
                     yield StreamChunk(token_ids=new, text=delta)
         finally:
-            self._close_quietly(self.verifier, v_sid)
-            if draft_link.session_id:
-                self._close_quietly(self.drafter, draft_link.session_id)
+            self._end(self.verifiers, verifier)
+            if self.drafters is not None:
+                self._end(self.drafters, draft_link)
 
     # ---- fault tolerance ------------------------------------------------------------
 
     def _draft(self, link: "_DrafterLink", committed: list[int], gamma: int, sampling: pb.SamplingParams,
-               fmt_pb: pb.ProposalFormat, prompt_length: int,
-               result: GenerationResult) -> tuple[list[int], pb.Proposal | None]:
-        """This round's drafts and their proposal, or none while the drafter is unreachable:
-        the round is then a target-only step, which leaves the output distribution as it is."""
-        if link.session_id is None and (time.monotonic() < link.retry_at or not self._connect_drafter(link, result)):
+               fmt_pb: pb.ProposalFormat, prompt_length: int, result: GenerationResult,
+               attempt: int = 0) -> tuple[list[int], pb.Proposal | None]:
+        """This round's drafts and their proposal, or none while no drafter is reachable:
+        the round is then a target-only step, which leaves the output distribution as it is.
+        A lost session moves at once, in this round, to another drafter of the pool (its first
+        Draft re-prefills `committed`); `attempt` counts this round's tries."""
+        if link.session_id is None and not self._connect_drafter(link, result):
             result.drafter_fallback_rounds += 1
             return [], None
         keep = _lcp(link.kv, committed, len(committed) - 1)
         ts = time.perf_counter()
         try:
-            resp = self.drafter.Draft(
+            resp = link.server.stub.Draft(
                 pb.DraftRequest(session_id=link.session_id, truncate_to=keep, append_token_ids=committed[keep:],
                                 num_draft_tokens=min(gamma, link.max_draft_tokens), sampling=sampling,
                                 proposal_format=fmt_pb, prompt_length=prompt_length),
@@ -340,82 +417,134 @@ class SpeculativeClient:
         except grpc.RpcError as exc:
             if exc.code() not in _DRAFTER_LOST:
                 raise
-            log.warning("drafter lost session=%s code=%s details=%r; target-only rounds until it is back",
-                        link.session_id, exc.code().name, exc.details())
+            log.warning("drafter %s lost session=%s code=%s details=%r; moving it to another drafter, else "
+                        "target-only rounds until one is back", link.server.address, link.session_id,
+                        exc.code().name, exc.details())
             result.drafter_failures += 1
-            result.drafter_fallback_rounds += 1
-            # NOT_FOUND (restarted, evicted, expired): the drafter is there, reconnect next round.
-            link.lost(immediate=exc.code() == grpc.StatusCode.NOT_FOUND)
-            return [], None
+            self._lose(self.drafters, link, exc.code())
+            resp = None
         finally:
             result.draft_time_s += time.perf_counter() - ts
+        if resp is None:
+            if attempt < len(self.drafters):  # each drafter of the pool may fail once per round
+                return self._draft(link, committed, gamma, sampling, fmt_pb, prompt_length, result, attempt + 1)
+            result.drafter_fallback_rounds += 1
+            return [], None
         drafts = list(resp.draft_token_ids)
         result.proposal_bytes += len(resp.proposal.probs) + len(resp.proposal.token_ids)
         link.kv = committed + drafts[:-1]
         _check_kv("drafter", resp.kv_length, len(link.kv))
         return drafts, resp.proposal
 
-    def _connect_drafter(self, link: "_DrafterLink", result: GenerationResult, check_info: bool = True) -> bool:
-        """Open a drafter session (after a failure: re-check the drafter, whose next Draft
-        re-prefills all committed tokens). False, with the next try scheduled, if it fails."""
-        short = min(self.timeout_s, 5.0)
-        try:
-            if check_info:
-                info = model_info_from_pb(self.drafter.GetModelInfo(pb.ModelInfoRequest(), timeout=short))
-                check_compatible(info, self.verifier_info)
-                link.max_draft_tokens = min(link.max_draft_tokens, info.max_draft_tokens)
-            link.session_id = self.drafter.OpenSession(pb.OpenSessionRequest(), timeout=short).session_id
-        except grpc.RpcError as exc:
-            if exc.code() not in _DRAFTER_LOST:
-                raise
-            log.info("drafter unavailable code=%s; retry in %.2f s", exc.code().name, link.backoff_s)
-            result.drafter_failures += 1
-            link.lost(immediate=False)
+    def _connect_drafter(self, link: "_DrafterLink", result: GenerationResult) -> bool:
+        """Open a drafter session on the least-loaded drafter that answers (its first Draft
+        prefills all committed tokens). False if none does now; the pool's backoff decides
+        when each drafter is tried again, so a round while all are down costs no call."""
+        lost_from = link.lost_from
+        result.drafter_failures += len(self._open_session(self.drafters, link, _DRAFTER_LOST, self._check_drafter))
+        if link.session_id is None:
             return False
-        except IncompatibleModels as exc:
-            log.error("the restarted drafter no longer fits the verifier (%s); target-only from here", exc)
-            link.lost(immediate=False)
-            link.retry_at = float("inf")
-            return False
-        if check_info:
-            log.info("drafter back session=%s; speculation resumes", link.session_id)
-        link.kv, link.backoff_s = [], _BACKOFF_MIN_S
+        link.max_draft_tokens = min(link.gamma_max, link.info.max_draft_tokens)
+        result.drafter_failovers += _note_server(link, lost_from, result.drafter_addresses)
+        if lost_from is not None:
+            log.info("drafter session=%s on %s; speculation resumes", link.session_id, link.server.address)
         return True
 
-    def _open_verifier_session(self) -> str:
-        try:
-            return self.verifier.OpenSession(pb.OpenSessionRequest(), timeout=self.timeout_s).session_id
-        except grpc.RpcError as exc:
-            if exc.code() not in _VERIFIER_LOST:
-                raise
-            return self._recover_verifier(exc, None)
-
-    def _recover_verifier(self, error: grpc.RpcError, lost_session: str | None) -> str:
-        """A new verifier session once the verifier answers again (retrying with backoff for
-        up to recovery_timeout_s, then re-raising `error`). The caller re-prefills it."""
-        log.warning("verifier lost session=%s code=%s details=%r; reconnecting for up to %.0f s",
-                    lost_session, error.code().name, error.details(), self.recovery_timeout_s)
+    def _open_verifier_session(self, link: "_Link", result: GenerationResult,
+                               error: grpc.RpcError | None = None) -> None:
+        """Open `link`'s verifier session on the least-loaded verifier that answers, waiting
+        out the pool's backoff for up to recovery_timeout_s, then raising `error` (the call
+        that lost the previous session) or the first connection error. The caller re-prefills."""
         deadline = time.monotonic() + self.recovery_timeout_s
-        delay = 0.0 if error.code() == grpc.StatusCode.NOT_FOUND else _BACKOFF_MIN_S
-        short = min(self.timeout_s, 5.0)
+        lost_from = link.lost_from
         while True:
-            time.sleep(delay)
+            errors = self._open_session(self.verifiers, link, _VERIFIER_LOST, self._check_verifier)
+            if link.session_id is not None:
+                break
+            error = error or (errors[0] if errors else None)
+            wait = self.verifiers.wait_s()
+            if wait is None:
+                raise IncompatibleModels("no verifier of the pool serves the client's model any more: " + "; ".join(
+                    f"{s.address}: {s.disabled}" for s in self.verifiers.servers))
+            if time.monotonic() + wait > deadline:
+                if error is None:
+                    raise RuntimeError(f"no verifier could be tried within {self.recovery_timeout_s:g} s")
+                raise error
+            # In slices: a session another generation re-opens meanwhile clears the backoff.
+            time.sleep(min(max(wait, 0.01), _POLL_S))
+        result.verifier_failovers += _note_server(link, lost_from, result.verifier_addresses)
+        if lost_from is not None:
+            log.info("verifier session=%s on %s; re-prefilling", link.session_id, link.server.address)
+
+    def _open_session(self, pool: ServerPool, link: "_Link", lost: frozenset, check) -> list[grpc.RpcError]:
+        """Open a session for `link` on the least-loaded ready server of `pool`, trying each
+        at most once. A server not known to fit since its last failure is asked for its model
+        first and `check`ed (one that fails is left out of the pool for good). Returns the
+        connection errors met; link.session_id stays None if no server took the session."""
+        short = min(self.timeout_s, 5.0)
+        tried: list[Server] = []
+        errors: list[grpc.RpcError] = []
+        while (server := pool.pick(exclude=tried)) is not None:
+            tried.append(server)
+            info = server.info
             try:
-                info = model_info_from_pb(self.verifier.GetModelInfo(pb.ModelInfoRequest(), timeout=short))
-                if (info.model, info.vocab_size, info.tokenizer_fingerprint) != (
-                        self.verifier_info.model, self.verifier_info.vocab_size,
-                        self.verifier_info.tokenizer_fingerprint):
-                    raise IncompatibleModels(f"the verifier came back as {info.model}, not {self.verifier_info.model}")
-                session_id = self.verifier.OpenSession(pb.OpenSessionRequest(), timeout=short).session_id
-            except grpc.RpcError as again:
-                if again.code() not in _VERIFIER_LOST:
+                if info is None:
+                    info = model_info_from_pb(server.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=short))
+                    check(info)
+                session_id = server.stub.OpenSession(pb.OpenSessionRequest(), timeout=short).session_id
+            except grpc.RpcError as exc:
+                pool.release(server)
+                if exc.code() not in lost:
                     raise
-                delay = min(max(2 * delay, _BACKOFF_MIN_S), _BACKOFF_MAX_S)
-                if time.monotonic() + delay > deadline:
-                    raise error from again
+                log.info("%s %s unavailable code=%s; trying the rest of the pool", pool.role, server.address,
+                         exc.code().name)
+                pool.failed(server)
+                errors.append(exc)
                 continue
-            log.info("verifier back session=%s; re-prefilling", session_id)
-            return session_id
+            except IncompatibleModels as exc:
+                pool.release(server)
+                pool.disable(server, str(exc))
+                log.error("%s %s no longer fits the pool (%s); it is left out from here", pool.role, server.address,
+                          exc)
+                continue
+            pool.succeeded(server, info)
+            link.server, link.info, link.session_id, link.kv = server, info, session_id, []
+            break
+        return errors
+
+    def _check_verifier(self, info: ModelInfo) -> None:
+        """A verifier joining the pool later (or coming back) must serve the same target
+        within the limits the client already uses."""
+        _check_same_target(info, self.verifier_info)
+        if (info.max_context < self.verifier_info.max_context
+                or info.max_draft_tokens < self.verifier_info.max_draft_tokens):
+            raise IncompatibleModels(
+                f"verifier limits (context {info.max_context}, max γ {info.max_draft_tokens}) are below the "
+                f"pool's ({self.verifier_info.max_context}, {self.verifier_info.max_draft_tokens})")
+
+    def _check_drafter(self, info: ModelInfo) -> None:
+        """A drafter joining the pool later (or coming back): one vocabulary with the verifier,
+        and room for the context the client plans drafts for (a smaller γ cap is fine)."""
+        check_compatible(info, self.verifier_info)
+        if info.max_context < self.drafter_info.max_context:
+            raise IncompatibleModels(
+                f"drafter context {info.max_context} is below the pool's {self.drafter_info.max_context}")
+
+    def _lose(self, pool: ServerPool, link: "_Link", code: grpc.StatusCode, close: bool = False) -> None:
+        """`link`'s session is gone: give its slot back and tell the pool. NOT_FOUND means
+        the server answered (restarted, evicted, expired): no backoff, only a model re-check."""
+        server = link.server
+        if close:
+            self._close_quietly(server.stub, link.session_id)
+        pool.release(server)
+        pool.failed(server, immediate=code == grpc.StatusCode.NOT_FOUND)
+        link.server, link.info, link.session_id, link.kv, link.lost_from = None, None, None, [], server
+
+    def _end(self, pool: ServerPool, link: "_Link") -> None:
+        if link.session_id is not None:
+            self._close_quietly(link.server.stub, link.session_id)
+            pool.release(link.server)
+            link.server, link.session_id = None, None
 
     def _close_quietly(self, stub, session_id: str) -> None:
         try:
@@ -434,25 +563,32 @@ _DRAFTER_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE
                            grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED})
 _VERIFIER_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                             grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED})
-_BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.25, 4.0
+_POLL_S = 0.25  # how often a generation waiting for a verifier looks at the pool again
+@dataclass
+class _Link:
+    """One generation's session on one server of a pool (None while it has none), the
+    model info that server answered with, and the tokens the session's KV cache holds."""
+
+    server: Server | None = None
+    info: ModelInfo | None = None
+    session_id: str | None = None
+    kv: list[int] = field(default_factory=list)
+    lost_from: Server | None = None  # the server of the session lost last: a move elsewhere is a failover
 
 
 @dataclass
-class _DrafterLink:
-    """The drafter side of one generation: its session (None while the drafter is
-    unreachable), the tokens its KV cache holds, and when to try it again."""
+class _DrafterLink(_Link):
+    gamma_max: int = 0  # this generation's γ
+    max_draft_tokens: int = 0  # γ on the current drafter: min(gamma_max, its max_draft_tokens)
 
-    max_draft_tokens: int
-    session_id: str | None = None
-    kv: list[int] = field(default_factory=list)
-    retry_at: float = 0.0  # time.monotonic() of the next reconnect
-    backoff_s: float = _BACKOFF_MIN_S
 
-    def lost(self, immediate: bool) -> None:
-        self.session_id, self.kv = None, []
-        self.retry_at = time.monotonic() + (0.0 if immediate else self.backoff_s)
-        if not immediate:
-            self.backoff_s = min(2 * self.backoff_s, _BACKOFF_MAX_S)
+def _note_server(link: _Link, lost_from: Server | None, addresses: list[str]) -> int:
+    """Record the server of link's new session in `addresses`; 1 if the session moved there
+    from the server of a lost one (a failover), else 0."""
+    if not addresses or addresses[-1] != link.server.address:
+        addresses.append(link.server.address)
+    link.lost_from = None
+    return int(lost_from is not None and lost_from is not link.server)
 
 
 def _check_kv(role: str, reported: int, expected: int) -> None:
@@ -482,3 +618,21 @@ def check_compatible(drafter: ModelInfo, verifier: ModelInfo) -> None:
         raise IncompatibleModels(
             f"drafter vocab_size {drafter.vocab_size} differs from verifier vocab_size {verifier.vocab_size}"
         )
+
+
+def _check_same_target(info: ModelInfo, ref: ModelInfo) -> None:
+    """Verifiers of one pool serve one target: a generation that moves between them keeps
+    sampling from the same distribution."""
+    got = (info.model, info.vocab_size, info.tokenizer_fingerprint)
+    want = (ref.model, ref.vocab_size, ref.tokenizer_fingerprint)
+    if got != want:
+        raise IncompatibleModels(
+            f"verifier serves {info.model} (vocab {info.vocab_size}, tokenizer {info.tokenizer_fingerprint[:12]}), "
+            f"its pool serves {ref.model} (vocab {ref.vocab_size}, tokenizer {ref.tokenizer_fingerprint[:12]})"
+        )
+
+
+def _smallest_limits(info: ModelInfo, infos: Sequence[ModelInfo]) -> ModelInfo:
+    """`info` with the smallest max_context and max_draft_tokens of its pool: what any of them takes."""
+    return replace(info, max_context=min(i.max_context for i in infos),
+                   max_draft_tokens=min(i.max_draft_tokens for i in infos))

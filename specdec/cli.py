@@ -34,6 +34,15 @@ def _positive_int(name: str):
     return parse
 
 
+class AddressList(argparse.Action):
+    """A repeatable HOST:PORT option (default None): `--x A --x B` and `--x A,B` both give
+    "A,B", a pool the client splits."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        previous = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, f"{previous},{values}" if previous else values)
+
+
 def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--model", default="embedded",
                    help="HF model id (from the local HF cache), local directory, or 'embedded' (SmolLM2-135M-Instruct)")
@@ -223,8 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
         _apply_env_defaults(p, role)
 
     g = sub.add_parser("generate", help="generate text through a drafter and a verifier")
-    g.add_argument("--drafter", help="HOST:PORT (optional with --target-only; then never contacted)")
-    g.add_argument("--verifier", required=True, help="HOST:PORT")
+    g.add_argument("--drafter", action=AddressList,
+                   help="HOST:PORT; repeat it or separate by commas for a pool (optional with --target-only)")
+    g.add_argument("--verifier", action=AddressList, required=True,
+                   help="HOST:PORT; repeat it or separate by commas for a pool")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--target-only", action="store_true", help="verifier alone (zero drafts): the baseline")

@@ -59,8 +59,12 @@ def _add_dataset_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: 
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", help="HOST:PORT (not needed with --target-only; then never contacted)")
-    p.add_argument("--verifier", required=True, help="HOST:PORT")
+    from specdec.cli import AddressList
+
+    p.add_argument("--drafter", action=AddressList,
+                   help="HOST:PORT; repeat it or separate by commas for a pool (not needed with --target-only)")
+    p.add_argument("--verifier", action=AddressList, required=True,
+                   help="HOST:PORT; repeat it or separate by commas for a pool")
     _add_dataset_args(p, num_prompts=24, max_tokens=64)
     p.add_argument("--request-rate", type=_rate, default=math.inf,
                    help="Poisson arrivals per second (default inf: all at once)")

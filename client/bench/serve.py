@@ -63,6 +63,7 @@ import grpc
 import numpy as np
 
 from client.bench.datasets import SHIPPED, BenchPrompt, interleave, load_dataset
+from client.pool import parse_addresses
 from client.speculative import SpeculativeClient
 from specdec.sampling import SamplingParams, mix64
 from specdec_rpc import specdec_pb2 as pb
@@ -78,7 +79,7 @@ WARMUP_MAX_TOKENS = 4
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    verifier: str
+    verifier: str  # HOST:PORT, or several comma-separated: a pool
     drafter: str | None = None
     dataset: str = SHIPPED
     num_prompts: int = 24
@@ -127,6 +128,8 @@ class RequestRecord:
     drafts_per_round: list[int] = field(default_factory=list)  # empty when it could not be inferred
     draft_time: float = 0.0  # client-measured time in Draft calls
     verify_time: float = 0.0  # client-measured time in Verify calls
+    drafters: list[str] = field(default_factory=list)  # servers its sessions were on (pools), in order
+    verifiers: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
 
@@ -181,6 +184,23 @@ def server_stats(address: str, role: str, timeout_s: float = 10.0) -> dict[str, 
             log.warning("GetStats on %s %s failed: %s", role, address, exc.code())
             return None
     return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
+
+
+def pool_stats(addresses: str, role: str, timeout_s: float = 10.0) -> dict | None:
+    """`server_stats` of one server, or summed over a pool (comma-separated addresses) with
+    each server's own under "servers"; None if any of them cannot tell."""
+    per_server = {a: server_stats(a, role, timeout_s) for a in parse_addresses(addresses, role)}
+    if any(stats is None for stats in per_server.values()):
+        return None
+    if len(per_server) == 1:
+        return next(iter(per_server.values()))
+    total: dict = {"role": role}
+    for stats in per_server.values():
+        for k, v in stats.items():
+            if isinstance(v, int):
+                total[k] = total.get(k, 0) + v
+    total["servers"] = per_server
+    return total
 
 
 def _stats_delta(before: dict | None, after: dict | None) -> dict | None:
@@ -274,6 +294,7 @@ def send_request(client: SpeculativeClient, req: BenchRequest, config: WorkloadC
         rec.drafts_per_round = []
     rec.draft_time = result.draft_time_s
     rec.verify_time = result.verify_time_s
+    rec.drafters, rec.verifiers = list(result.drafter_addresses), list(result.verifier_addresses)
     rec.finish_reason = result.finish_reason
     return rec
 
@@ -449,9 +470,9 @@ def run_serve(config: WorkloadConfig, client: SpeculativeClient | None = None,
         roles = {"verifier": config.verifier}
         if not config.target_only:  # a target-only run never contacts the drafter
             roles["drafter"] = config.drafter
-        before = {role: server_stats(addr, role) for role, addr in roles.items()}
+        before = {role: pool_stats(addr, role) for role, addr in roles.items()}
         records, duration = dispatch(client, requests, config, gamma)
-        after = {role: server_stats(addr, role) for role, addr in roles.items()}
+        after = {role: pool_stats(addr, role) for role, addr in roles.items()}
     finally:
         if own_client:
             client.close()

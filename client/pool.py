@@ -1,0 +1,143 @@
+"""A pool of drafter or verifier servers behind one client: which server a new session
+goes to, and which servers are skipped for a while after they failed.
+
+Pure bookkeeping (no gRPC call in here): SpeculativeClient opens and loses the sessions
+and reports back with `release`, `failed`, `succeeded` and `disable`.
+
+Balancing signal: the live sessions *this client* has open on each server. The servers'
+own GetStats `live_sessions` would also see other clients, but it costs a call per pick
+(or a poller and its staleness) and counts idle sessions that wait for their TTL; a
+client's own count is exact, free and updated the moment a session opens or ends. Ties go
+to the server that was given the fewest sessions so far, so generations run one at a time
+also spread over the pool.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Collection, Generic, Sequence, TypeVar
+
+BACKOFF_MIN_S, BACKOFF_MAX_S = 0.25, 4.0
+
+StubT = TypeVar("StubT")
+
+
+def parse_addresses(value: str | Sequence[str] | None, role: str) -> list[str]:
+    """HOST:PORT addresses from one string, a comma-separated string or a sequence of
+    either: `"a:1"`, `"a:1,b:2"`, `["a:1", "b:2,c:3"]`. Empty -> []; a repeat is refused."""
+    if value is None:
+        return []
+    parts = [value] if isinstance(value, str) else list(value)
+    out: list[str] = []
+    for part in parts:
+        for address in str(part).split(","):
+            address = address.strip()
+            if not address:
+                continue
+            if address in out:
+                raise ValueError(f"{role} address {address} is listed twice")
+            out.append(address)
+    return out
+
+
+@dataclass(eq=False)
+class Server(Generic[StubT]):
+    """One server of a pool, as this client sees it."""
+
+    address: str
+    stub: StubT
+    index: int = 0  # position in the pool, the last tie-breaker
+    info: object | None = None  # its ModelInfo once it answered and passed the checks; None: check it first
+    sessions: int = 0  # live sessions of this client on it: the balancing signal
+    opened: int = 0  # sessions given to it so far: breaks ties between equal loads
+    down: bool = False  # failed last time; tried again once retry_at has passed
+    retry_at: float = 0.0  # clock() time of the next try while down
+    probing: bool = False  # down, and one session was given it as the retry
+    backoff_s: float = BACKOFF_MIN_S
+    disabled: str | None = None  # why it is never picked again (it no longer fits the pool)
+
+
+class ServerPool(Generic[StubT]):
+    """Servers of one role; thread-safe (concurrent generations share it).
+
+    >>> pool = ServerPool("drafter", [Server("a:1", None), Server("b:2", None)])
+    >>> first, second = pool.pick(), pool.pick()
+    >>> (first.address, second.address)
+    ('a:1', 'b:2')
+    """
+
+    def __init__(self, role: str, servers: Sequence[Server[StubT]], *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not servers:
+            raise ValueError(f"a {role} pool needs at least one address")
+        self.role = role
+        self.servers = list(servers)
+        for i, server in enumerate(self.servers):
+            server.index = i
+        self._clock = clock
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self.servers)
+
+    def pick(self, exclude: Collection[Server[StubT]] = ()) -> Server[StubT] | None:
+        """The server for a new session, its slot taken (give it back with `release`): of
+        the enabled servers not in `exclude` that are up or due for a retry, the one with the
+        fewest live sessions. None if there is none. A down server that is picked is claimed
+        for one retry, so concurrent generations do not all probe it at once."""
+        with self._lock:
+            now = self._clock()
+            ready = [s for s in self.servers
+                     if s.disabled is None and s not in exclude and (not s.down or now >= s.retry_at)]
+            if not ready:
+                return None
+            server = min(ready, key=lambda s: (s.sessions, s.opened, s.index))
+            if server.down:
+                server.retry_at, server.probing = now + server.backoff_s, True
+            server.sessions += 1
+            server.opened += 1
+            return server
+
+    def release(self, server: Server[StubT]) -> None:
+        """A session picked on `server` ended (closed, lost, or never opened)."""
+        with self._lock:
+            server.sessions = max(0, server.sessions - 1)
+
+    def failed(self, server: Server[StubT], *, immediate: bool = False) -> None:
+        """A call to `server` failed: check its model again before the next session there;
+        unless `immediate` (it answered, only the session was gone), skip it for its backoff
+        (0.25 s doubling to 4 s; reset by `succeeded`)."""
+        with self._lock:
+            server.info = None
+            if immediate:
+                return
+            if server.down and not server.probing:
+                return  # another session lost in the same outage: the backoff already runs
+            server.retry_at = self._clock() + server.backoff_s
+            server.backoff_s = min(2 * server.backoff_s, BACKOFF_MAX_S)
+            server.down, server.probing = True, False
+
+    def succeeded(self, server: Server[StubT], info: object) -> None:
+        """`server` answered (and its `info` passed the checks): it is up again."""
+        with self._lock:
+            server.info, server.down, server.probing = info, False, False
+            server.retry_at, server.backoff_s = 0.0, BACKOFF_MIN_S
+
+    def disable(self, server: Server[StubT], reason: str) -> None:
+        """Never pick `server` again (e.g. it came back serving another model)."""
+        with self._lock:
+            server.disabled, server.info = reason, None
+
+    def wait_s(self) -> float | None:
+        """Seconds until `pick` may find a server (0: now); None if every server is disabled."""
+        with self._lock:
+            now = self._clock()
+            waits = [max(0.0, s.retry_at - now) if s.down else 0.0 for s in self.servers if s.disabled is None]
+            return min(waits) if waits else None
+
+    def live_sessions(self) -> dict[str, int]:
+        """{address: live sessions of this client}, e.g. for logs and tests."""
+        with self._lock:
+            return {s.address: s.sessions for s in self.servers}

@@ -1,0 +1,282 @@
+"""Drafter and verifier pools (M:N): the pool's pick / balance / backoff logic on its own,
+then real processes: a drafter and a verifier killed mid-run while concurrent generations
+use pools. The committed tokens are the source of truth, so a session that moves to
+another server is re-prefilled and greedy output stays token-identical to target-only."""
+
+from __future__ import annotations
+
+import collections
+import socket
+import threading
+import time
+
+import pytest
+
+from client.launcher import start_service
+from client.pool import BACKOFF_MAX_S, BACKOFF_MIN_S, Server, ServerPool, parse_addresses
+from client.speculative import GenerationResult, IncompatibleModels, SpeculativeClient, _check_same_target
+from specdec.sampling import SamplingParams
+from specdec.serving import ModelInfo
+
+ARGS = ["--max-draft-tokens", "8", "--log-level", "WARNING"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,",
+           "The three primary colors are", "import numpy as np\n", "Water boils at"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=32, ignore_eos=True)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _pool(n: int, clock: FakeClock | None = None) -> ServerPool:
+    return ServerPool("drafter", [Server(f"h{i}:1", stub=None) for i in range(n)], clock=clock or FakeClock())
+
+
+# ---- the pool on its own -------------------------------------------------------------------
+
+
+def test_addresses_come_from_strings_commas_and_sequences_and_a_repeat_is_refused():
+    assert parse_addresses("a:1", "drafter") == ["a:1"]
+    assert parse_addresses(" a:1, b:2 ,", "drafter") == ["a:1", "b:2"]
+    assert parse_addresses(["a:1", "b:2,c:3"], "verifier") == ["a:1", "b:2", "c:3"]
+    assert parse_addresses(None, "drafter") == [] and parse_addresses("", "drafter") == []
+    with pytest.raises(ValueError, match="b:2 is listed twice"):
+        parse_addresses("a:1,b:2,b:2", "drafter")
+
+
+def test_new_sessions_go_to_the_server_with_the_fewest_live_sessions():
+    pool = _pool(3)
+    picked = [pool.pick() for _ in range(7)]
+    assert sorted(pool.live_sessions().values()) == [2, 2, 3]
+    assert collections.Counter(s.address for s in picked) == {"h0:1": 3, "h1:1": 2, "h2:1": 2}
+    for s in picked:
+        if s.address == "h2:1":
+            pool.release(s)  # h2's sessions end: it is the least loaded now
+    assert pool.pick().address == "h2:1"
+
+
+def test_ties_go_to_the_server_given_the_fewest_sessions_so_one_at_a_time_use_spreads():
+    pool = _pool(3)
+    order = []
+    for _ in range(6):
+        s = pool.pick()
+        order.append(s.address)
+        pool.release(s)
+    assert order == ["h0:1", "h1:1", "h2:1", "h0:1", "h1:1", "h2:1"]
+
+
+def test_a_failed_server_is_skipped_for_its_backoff_then_one_session_probes_it():
+    clock = FakeClock()
+    pool = _pool(2, clock)
+    a, b = pool.pick(), pool.pick()
+    pool.release(a)
+    pool.failed(a)
+    assert a.info is None and a.down
+    assert [pool.pick().address for _ in range(3)] == ["h1:1"] * 3  # a is skipped though b is busier
+    assert pool.wait_s() == 0.0  # b can be picked now
+    assert pool.pick(exclude=[b]) is None
+    clock.now += BACKOFF_MIN_S
+    probe = pool.pick(exclude=[b])
+    assert probe is a and pool.pick(exclude=[b]) is None  # claimed by one session only
+    pool.release(a)
+    pool.failed(a)  # the probe failed: the backoff doubles
+    clock.now += BACKOFF_MIN_S
+    assert pool.pick(exclude=[b]) is None
+    clock.now += BACKOFF_MIN_S
+    assert pool.pick(exclude=[b]) is a
+    pool.succeeded(a, info="model")
+    assert not a.down and a.backoff_s == BACKOFF_MIN_S and a.info == "model"
+
+
+def test_sessions_lost_in_one_outage_do_not_compound_the_backoff():
+    clock = FakeClock()
+    pool = _pool(1, clock)
+    server = pool.servers[0]
+    for _ in range(4):
+        pool.pick()
+    for _ in range(4):  # all four sessions fail together
+        pool.release(server)
+        pool.failed(server)
+    assert server.retry_at == clock.now + BACKOFF_MIN_S and pool.wait_s() == BACKOFF_MIN_S
+    for _ in range(10):  # failed probes double it up to the cap
+        clock.now = server.retry_at
+        pool.release(pool.pick())
+        pool.failed(server)
+    assert server.backoff_s == BACKOFF_MAX_S
+
+
+def test_a_lost_session_on_a_live_server_only_asks_for_a_model_recheck():
+    pool = _pool(1)
+    server = pool.pick()
+    pool.succeeded(server, info="model")
+    pool.release(server)
+    pool.failed(server, immediate=True)  # NOT_FOUND: the server answered, the session was gone
+    assert server.info is None and not server.down and pool.pick() is server
+
+
+def test_a_disabled_server_is_never_picked_and_an_all_disabled_pool_says_so():
+    pool = _pool(2)
+    pool.disable(pool.servers[0], "serves another model")
+    assert [pool.pick().address for _ in range(3)] == ["h1:1"] * 3
+    pool.disable(pool.servers[1], "serves another model")
+    assert pool.pick() is None and pool.wait_s() is None
+
+
+def test_verifiers_of_one_pool_must_serve_the_same_target():
+    info = ModelInfo(role="verifier", model="m", vocab_size=10, eos_token_ids=(0,), max_context=64,
+                     tokenizer_fingerprint="f" * 64, tokenizer_source="m", dtype="float32", device="cpu",
+                     max_draft_tokens=8)
+    _check_same_target(info, info)
+    for change in ({"model": "other"}, {"vocab_size": 11}, {"tokenizer_fingerprint": "e" * 64}):
+        with pytest.raises(IncompatibleModels):
+            _check_same_target(ModelInfo(**{**info.__dict__, **change}), info)
+
+
+# ---- real processes -------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_concurrently(client: SpeculativeClient, jobs: list[tuple[str, SamplingParams]], progress: collections.Counter,
+                      chunks: dict[int, list[tuple[float, int]]]) -> tuple[list, list[threading.Thread]]:
+    """One streaming thread per (prompt, params); progress[i] counts rounds, chunks[i] holds
+    (arrival time.monotonic(), tokens) of each round."""
+    results: list = [RuntimeError("not run")] * len(jobs)
+
+    def run(i: int) -> None:
+        try:
+            for chunk in client.stream(jobs[i][0], jobs[i][1], num_speculative_tokens=4):
+                chunks[i].append((time.monotonic(), len(chunk.token_ids)))
+                progress[i] += 1
+                if chunk.result is not None:
+                    results[i] = chunk.result
+        except Exception as exc:  # reported by the assertion on results
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
+def _wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def _target_only(client: SpeculativeClient, prompts: list[str]) -> list[list[int]]:
+    out: list = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        out[i] = client.generate(prompts[i], GREEDY, target_only=True).token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return out
+
+
+@pytest.mark.slow
+def test_drafter_pool_takes_a_late_drafter_balances_and_moves_a_killed_drafters_sessions(verifier_proc,
+                                                                                          drafter_proc):
+    """2 drafters + 1 verifier. The first drafter is down when the client starts (tolerated,
+    retried once it is up); 6 concurrent greedy generations are split 3/3; the first
+    drafter is SIGKILLed mid-run: its sessions move to the other drafter in the same round
+    (re-prefilled) and keep drafting, and every output equals target-only decoding."""
+    late = f"127.0.0.1:{_free_port()}"
+    doomed = None
+    try:
+        with SpeculativeClient(verifier_proc.address, drafter=[late, drafter_proc.address]) as client:
+            assert client.drafters.servers[0].down  # not there yet: the client started anyway
+            doomed = start_service("drafter", ARGS, port=int(late.rsplit(":", 1)[1]), threads=1)
+            _wait_for(lambda: client.generate(PROMPTS[0], GREEDY.replace(max_tokens=2)).drafter_addresses == [late],
+                      60, "the late drafter to take a session")
+            expected = _target_only(client, PROMPTS)
+            progress: collections.Counter = collections.Counter()
+            chunks: dict[int, list] = collections.defaultdict(list)
+            results, threads = _run_concurrently(client, [(p, GREEDY) for p in PROMPTS], progress, chunks)
+            _wait_for(lambda: len(progress) == len(PROMPTS), 120, "a first round of every generation")
+            live_at_kill = client.drafters.live_sessions()
+            killed_at = time.monotonic()
+            doomed.kill()  # SIGKILL
+            for t in threads:
+                t.join(300)
+
+        assert all(isinstance(r, GenerationResult) for r in results), results
+        assert [r.token_ids for r in results] == expected
+        first = collections.Counter(r.drafter_addresses[0] for r in results)
+        assert first == {late: 3, drafter_proc.address: 3}, first  # balanced by live sessions
+        assert live_at_kill[late] >= 1 and live_at_kill[drafter_proc.address] >= 1, live_at_kill
+        moved = [i for i, r in enumerate(results) if r.drafter_addresses[0] == late]
+        for i in moved:
+            r = results[i]
+            assert r.drafter_failures >= 1 and r.drafter_failovers == 1, r.to_dict()
+            assert r.drafter_addresses == [late, drafter_proc.address]
+            rounds_after = sum(1 for t, _ in chunks[i] if t > killed_at)
+            # Counters: fewer fallback rounds than rounds after the kill, i.e. some of them had drafts.
+            assert r.drafter_fallback_rounds < rounds_after, (r.drafter_fallback_rounds, rounds_after)
+        drafted_after = [sum(1 for t, n in chunks[i] if t > killed_at and n > 1) for i in moved]
+        assert sum(drafted_after) > 0  # rounds that emitted accepted drafts, after the kill
+        stay = [r for r in results if r.drafter_addresses[0] == drafter_proc.address]
+        assert all(r.drafter_failovers == 0 and r.drafter_fallback_rounds == 0 for r in stay)
+        print(f"drafter pool kill: {len(results)} generations, {sum(map(len, expected))} tokens identical to "
+              f"target-only; live sessions at the kill {live_at_kill}; moved {len(moved)}; rounds with accepted "
+              f"drafts after the kill {drafted_after}; fallback rounds "
+              f"{[results[i].drafter_fallback_rounds for i in moved]}")
+    finally:
+        if doomed is not None:
+            doomed.kill()
+
+
+@pytest.mark.slow
+def test_verifier_pool_moves_a_killed_verifiers_sessions_and_outputs_do_not_change(verifier_proc, drafter_proc):
+    """1 drafter + 2 verifiers, 3 greedy and 3 seeded generations at once; one verifier is
+    SIGKILLed mid-run: its sessions move to the other one and are re-prefilled; greedy
+    outputs equal target-only decoding and seeded outputs equal the same seeded runs
+    without a failure (the verifier's draws depend on the seed and position only)."""
+    doomed = start_service("verifier", ARGS, threads=1)
+    try:
+        with SpeculativeClient([verifier_proc.address, doomed.address], drafter=drafter_proc.address,
+                               recovery_timeout_s=120) as client:
+            prompts = PROMPTS[:3]
+            expected = _target_only(client, prompts)
+            seeded_ref = [client.generate(p, SEEDED, num_speculative_tokens=4).token_ids for p in prompts]
+            jobs = [(p, GREEDY) for p in prompts] + [(p, SEEDED) for p in prompts]
+            progress: collections.Counter = collections.Counter()
+            chunks: dict[int, list] = collections.defaultdict(list)
+            results, threads = _run_concurrently(client, jobs, progress, chunks)
+            _wait_for(lambda: len(progress) == len(jobs), 120, "a first round of every generation")
+            live_at_kill = client.verifiers.live_sessions()
+            doomed.kill()  # SIGKILL
+            for t in threads:
+                t.join(300)
+
+        assert all(isinstance(r, GenerationResult) for r in results), results
+        assert [r.token_ids for r in results] == expected + seeded_ref
+        first = collections.Counter(r.verifier_addresses[0] for r in results)
+        assert first == {verifier_proc.address: 3, doomed.address: 3}, first
+        moved = [i for i, r in enumerate(results) if r.verifier_addresses[0] == doomed.address]
+        for i in moved:
+            r = results[i]
+            assert r.verifier_recoveries == 1 and r.verifier_failovers == 1, r.to_dict()
+            assert r.verifier_addresses == [doomed.address, verifier_proc.address]
+        assert all(r.num_draft_tokens > 0 and r.drafter_failures == 0 for r in results)
+        print(f"verifier pool kill: {len(results)} generations ({sum(map(len, expected + seeded_ref))} tokens) "
+              f"identical; live sessions at the kill {live_at_kill}; moved {len(moved)} "
+              f"(seeded among them: {sum(1 for i in moved if i >= len(prompts))})")
+    finally:
+        doomed.kill()
