@@ -57,6 +57,14 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
                         "drafter on CPU, at some acceptance)")
     p.add_argument("--quantize", default=None, choices=["int8"],
                    help="dynamic int8 quantization of the decoder layers (CPU; a low-acceptance drafter)")
+    if role == "drafter":
+        p.add_argument("--backend", default="model", choices=["model", "ngram"],
+                       help="model: draft with --model's weights; ngram: prompt lookup, no weights (--model gives only "
+                            "the tokenizer, vocabulary, EOS ids and context)")
+        p.add_argument("--ngram-min", type=_positive_int("--ngram-min"), default=1,
+                       help="--backend ngram: shortest suffix n-gram looked up")
+        p.add_argument("--ngram-max", type=_positive_int("--ngram-max"), default=4,
+                       help="--backend ngram: longest suffix n-gram looked up (the longest match wins)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_positive_int("--port"), default=DEFAULT_PORTS[role], help="0 picks a free port")
     p.add_argument("--threads", type=_positive_int("--threads"), default=0,
@@ -144,7 +152,12 @@ def _serve(args: argparse.Namespace, role: str) -> int:
     config = EngineConfig(max_draft_tokens=args.max_draft_tokens, max_sessions=args.max_sessions,
                           session_ttl_s=args.session_ttl_s, kv_budget_mb=args.kv_budget_mb,
                           max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms)
-    if role == "drafter":
+    if role == "drafter" and args.backend == "ngram":
+        from drafter_service.ngram_engine import NgramDrafterEngine
+        from drafter_service.server import run
+
+        engine = NgramDrafterEngine(spec, config, n_min=args.ngram_min, n_max=args.ngram_max)
+    elif role == "drafter":
         from drafter_service.engine import DrafterEngine
         from drafter_service.server import run
 

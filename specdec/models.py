@@ -201,6 +201,20 @@ DEFAULT_MAX_MODEL_LEN = 2048
 PREFILL_MIN_TOKENS = 3  # rows this long take the prefill weights, when a model has them
 
 
+def _eos_ids(generation_config, config) -> list[int]:
+    """The generation config's EOS ids, else the model config's; sorted, deduplicated."""
+    eos = getattr(generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = config.eos_token_id
+    return sorted({int(e) for e in ([eos] if isinstance(eos, int) else (eos or []))})
+
+
+def _max_context(config, spec: ModelSpec) -> int:
+    """Positions a session may hold: min(the model's maximum, --max-model-len or 2048)."""
+    config_len = int(getattr(config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
+    return min(config_len, spec.max_model_len or DEFAULT_MAX_MODEL_LEN)
+
+
 class OneDNNLinear(torch.nn.Module):
     """A bias-optional float32 linear whose weight is prepacked for oneDNN.
 
@@ -265,12 +279,8 @@ class CausalLM:
         self.model = model.to(spec.device).eval()
         self.config = model.config
         self.device = torch.device(spec.device)
-        eos = self.model.generation_config.eos_token_id
-        if eos is None:
-            eos = self.config.eos_token_id
-        self.eos_token_ids: list[int] = sorted({int(e) for e in ([eos] if isinstance(eos, int) else (eos or []))})
-        config_len = int(getattr(self.config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
-        self.max_context = min(config_len, spec.max_model_len or DEFAULT_MAX_MODEL_LEN)
+        self.eos_token_ids = _eos_ids(self.model.generation_config, self.config)
+        self.max_context = _max_context(self.config, spec)
         self.slots = SlotForward(self.model, self.max_context) if slot_supported(self.model) else None
         self.prefill_slots = self._prefill_forward(spec)
         self.tokenizer = load_tokenizer(spec)
@@ -367,3 +377,42 @@ class CausalLM:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         elem = next(self.model.parameters()).element_size()  # int8 models keep a float32 embedding
         return 2 * cfg.num_hidden_layers * heads * head_dim * elem
+
+
+class TokenOnlyLM:
+    """What the services need of a model, without its weights: the tokenizer, vocabulary
+    size, EOS ids and context length of `spec`'s model (the same rules as CausalLM), and a
+    per-session "cache" that is nothing at all, since a model-free drafter keeps only the
+    session's token ids. Stands in for CausalLM in ServingModel (the n-gram drafter).
+
+    vocab_size is the config's, which is the number of rows of the LM head CausalLM reads.
+    """
+
+    def __init__(self, spec: ModelSpec) -> None:
+        from transformers import AutoConfig, GenerationConfig
+
+        self.spec = spec
+        self.threads = torch.get_num_threads()
+        path, kwargs = _resolve(spec)
+        self.config = AutoConfig.from_pretrained(path, **kwargs)
+        try:  # as from_pretrained does: a missing generation_config.json means the model config's ids
+            generation = GenerationConfig.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError):
+            generation = None
+        self.vocab_size = int(self.config.vocab_size)
+        self.eos_token_ids = _eos_ids(generation, self.config)
+        self.max_context = _max_context(self.config, spec)
+        self.tokenizer = load_tokenizer(spec)
+        self.tokenizer_fingerprint = tokenizer_fingerprint(self.tokenizer)
+
+    @staticmethod
+    def new_cache() -> None:
+        return None
+
+    @staticmethod
+    def crop(cache: None, length: int) -> None:
+        pass  # the session store truncates the token list itself
+
+    @staticmethod
+    def cache_bytes(cache: None) -> int:
+        return 0

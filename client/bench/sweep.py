@@ -1,6 +1,7 @@
 """`specdec bench sweep`: `serve` at several concurrencies or request rates, each point
 run speculative and target-only back to back (so every point has its own baseline and
-system efficiency), one JSON with all points, one table, one PNG."""
+system efficiency), one JSON with all points, one table (plus both modes of each point per
+category), one PNG."""
 
 from __future__ import annotations
 
@@ -89,4 +90,21 @@ def format_sweep(sweep: dict) -> str:
                 f"{_fmt(p['measured_speedup'] if spec else None):>9}{_fmt(p['ideal_speedup'] if spec else None):>7}"
                 f"{_fmt(p['system_efficiency'] if spec else None, 3):>8}"
             )
+    for p in sweep["points"]:
+        lines += ["", format_point_categories(p)]
+    return "\n".join(lines)
+
+
+def format_point_categories(point: dict) -> str:
+    """Both modes of one point per category: tokens/s of a request's own life (output
+    tokens / summed request latency, the speedup basis), their ratio, and acceptance."""
+    spec, target = point["speculative"]["per_category"], point["target_only"]["per_category"]
+    header = (f"{point['label'] + ' by category':<22}{'spec tok/s':>11}{'target tok/s':>13}{'speedup':>9}"
+              f"{'accept':>8}{'ideal':>7}")
+    lines = [header, "-" * len(header)]
+    for cat, m in spec.items():
+        base = target.get(cat, {})
+        lines.append(f"{cat:<22}{_fmt(m['output_tokens_per_request_s']):>11}"
+                     f"{_fmt(base.get('output_tokens_per_request_s')):>13}{_fmt(m.get('measured_speedup')):>9}"
+                     f"{_fmt(m['acceptance_rate'], 3):>8}{_fmt(m.get('ideal_speedup')):>7}")
     return "\n".join(lines)
