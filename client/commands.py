@@ -30,12 +30,12 @@ def _run_generate(args: argparse.Namespace, params) -> int:
                            auth_token=read_token(args.auth_token_file) if args.auth_token_file else None) as client:
         if args.json:
             result = client.generate(args.prompt, params, num_speculative_tokens=args.num_speculative_tokens,
-                                     target_only=args.target_only, chat=args.chat)
+                                     target_only=args.target_only, chat=args.chat, fanout=args.fanout)
             print(json.dumps(result.to_dict()))
             return 0
         result = None
         for chunk in client.stream(args.prompt, params, num_speculative_tokens=args.num_speculative_tokens,
-                                   target_only=args.target_only, chat=args.chat):
+                                   target_only=args.target_only, chat=args.chat, fanout=args.fanout):
             print(chunk.text, end="", flush=True)
             result = chunk.result
         assert result is not None

@@ -17,6 +17,7 @@ from typing import Iterator, Sequence
 import grpc
 
 from client.pool import Server, ServerPool, parse_addresses
+from specdec.adaptive import AdaptiveGamma
 from specdec.models import ModelSpec, load_tokenizer, tokenizer_fingerprint
 from specdec.proposals import DENSE, IDS_ONLY, ProposalFormat
 from specdec.sampling import REJECTION, SamplingParams
@@ -27,6 +28,10 @@ from specdec_rpc.adapters import CHANNEL_OPTIONS, model_info_from_pb, proposal_f
 from specdec_rpc.ops import TLSFiles, open_channel
 
 log = logging.getLogger(__name__)
+
+
+AUTO = "auto"  # num_speculative_tokens: adaptive γ per round
+AUTO_GAMMA_MAX = 8
 
 
 class IncompatibleModels(ValueError):
@@ -52,6 +57,11 @@ class GenerationResult:
     # the target's processed distribution, its rank, and the top-N {token id: logprob}.
     logprobs: list[dict] | None = None
     proposal_bytes: int = 0  # proposal bytes the drafter sent, summed over rounds
+    # Speculation cache (fanout > 0): drafts the drafter had pre-drafted during the previous
+    # verify, and the rounds whose drafts all came from there (no drafter forward waited for).
+    cached_draft_tokens: int = 0
+    speculation_hits: int = 0
+    gamma_per_round: list[int] = field(default_factory=list)  # adaptive γ ("auto"): drafts of each round
     # Faults survived. Fallback rounds ran without drafts because no drafter was reachable
     # (the output distribution is the same, only slower); every recovery re-created a
     # verifier session and re-prefilled it from the committed tokens. A failover is a lost
@@ -120,6 +130,7 @@ class SpeculativeClient:
         tls_key: str | None = None,
         auth_token: str | None = None,
         recovery_timeout_s: float = 60.0,
+        fanout: int = 0,
     ) -> None:
         """verifier, drafter: HOST:PORT, or a pool of several (a sequence, or one
         comma-separated string). Each generation keeps one verifier and one drafter session,
@@ -129,11 +140,16 @@ class SpeculativeClient:
         answer is tried again later, as long as one server of its pool answers now.
         tls_*: PEM paths (any of them turns TLS on; cert + key for mutual TLS);
         auth_token: sent as `authorization: Bearer` on every call. recovery_timeout_s: how
-        long a generation keeps retrying a restarting verifier before it fails."""
+        long a generation keeps retrying a restarting verifier before it fails. fanout > 0
+        turns on the drafter's speculation cache: while the verifier scores a round, the
+        drafter pre-drafts the next one for its top-`fanout` bonus candidates."""
         self.timeout_s = timeout_s
         self.num_speculative_tokens = num_speculative_tokens
         self.proposal_format = proposal_format
         self.recovery_timeout_s = recovery_timeout_s
+        if fanout < 0:
+            raise ValueError(f"fanout must be >= 0, got {fanout}")
+        self.fanout = fanout  # speculation cache: bonus candidates the drafter pre-drafts per round
         tls = TLSFiles(cert=tls_cert, key=tls_key, ca=tls_ca)
         self._channels: list[grpc.Channel] = []
 
@@ -246,13 +262,14 @@ class SpeculativeClient:
         prompt: str | Sequence[int],
         params: SamplingParams = SamplingParams(),
         *,
-        num_speculative_tokens: int | None = None,
+        num_speculative_tokens: int | str | None = None,
         target_only: bool = False,
         chat: bool = False,
+        fanout: int | None = None,
     ) -> GenerationResult:
         result = None
         for chunk in self.stream(prompt, params, num_speculative_tokens=num_speculative_tokens,
-                                 target_only=target_only, chat=chat):
+                                 target_only=target_only, chat=chat, fanout=fanout):
             result = chunk.result
         assert result is not None
         return result
@@ -262,12 +279,23 @@ class SpeculativeClient:
         prompt: str | Sequence[int],
         params: SamplingParams = SamplingParams(),
         *,
-        num_speculative_tokens: int | None = None,
+        num_speculative_tokens: int | str | None = None,
         target_only: bool = False,
         chat: bool = False,
+        fanout: int | None = None,
     ) -> Iterator[StreamChunk]:
-        """Yield the tokens committed by each round; the last chunk carries the result."""
+        """Yield the tokens committed by each round; the last chunk carries the result.
+        num_speculative_tokens: γ, or "auto" (adaptive γ in [1, 8] per round, see
+        specdec/adaptive.py); fanout: this generation's speculation-cache fanout."""
         gamma_max = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+        adaptive = gamma_max == AUTO
+        if adaptive:
+            gamma_max = AUTO_GAMMA_MAX
+        fanout = self.fanout if fanout is None else fanout
+        if not isinstance(gamma_max, int):
+            raise ValueError(f"num_speculative_tokens must be an integer or {AUTO!r}, got {gamma_max!r}")
+        if fanout < 0:
+            raise ValueError(f"fanout must be >= 0, got {fanout}")
         if gamma_max < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {gamma_max}")
         speculative = not target_only and gamma_max > 0
@@ -284,11 +312,13 @@ class SpeculativeClient:
                 f"prompt length {len(prompt_ids)} + max_tokens {params.max_tokens} exceeds the verifier's "
                 f"maximum context {max_context}"
             )
-        yield from self._run(prompt_ids, params, gamma_max if speculative else 0)
+        controller = AdaptiveGamma(gamma_min=1, gamma_max=gamma_max) if adaptive and speculative else None
+        yield from self._run(prompt_ids, params, gamma_max if speculative else 0, controller, fanout)
 
     # ---- rounds -------------------------------------------------------------------
 
-    def _run(self, prompt_ids: list[int], params: SamplingParams, gamma_max: int) -> Iterator[StreamChunk]:
+    def _run(self, prompt_ids: list[int], params: SamplingParams, gamma_max: int,
+             controller: AdaptiveGamma | None = None, fanout: int = 0) -> Iterator[StreamChunk]:
         t0 = time.perf_counter()
         sampling = sampling_to_pb(params)
         fmt = self.proposal_format or ProposalFormat(kind=IDS_ONLY if params.greedy else DENSE)
@@ -306,7 +336,7 @@ class SpeculativeClient:
         verifier = _Link()  # this generation's verifier session
         self._open_verifier_session(verifier, result)
         committed = list(prompt_ids)
-        draft_link = _DrafterLink(gamma_max=gamma_max, max_draft_tokens=gamma_max)
+        draft_link = _DrafterLink(gamma_max=gamma_max, max_draft_tokens=gamma_max, fanout=fanout)
         emitted_text = ""
         drafter_context = self.drafter_info.max_context if self.drafter_info else 0
         try:
@@ -316,12 +346,18 @@ class SpeculativeClient:
             while not finished:
                 remaining = params.max_tokens - len(result.token_ids)
                 # Never draft more than can be kept: the round emits up to gamma + 1 tokens.
-                gamma = max(0, min(draft_link.max_draft_tokens, remaining - 1, drafter_context - len(committed)))
+                cap = controller.next_gamma(draft_link.max_draft_tokens) if controller else draft_link.max_draft_tokens
+                gamma = max(0, min(cap, remaining - 1, drafter_context - len(committed)))
                 drafts: list[int] = []
                 proposal = None
+                # Rounds that (re-)prefill either side would skew the adaptive cost estimates.
+                steady = max(len(committed) - _lcp(draft_link.kv, committed, len(committed) - 1),
+                             len(committed) - _lcp(verifier.kv, committed, len(committed) - 1)) <= 2
+                ts = time.perf_counter()
                 if gamma:
                     drafts, proposal = self._draft(draft_link, committed, gamma, sampling, fmt_pb, prompt_length,
                                                    result)
+                draft_s = time.perf_counter() - ts
                 ts = time.perf_counter()
                 give_up = time.monotonic() + self.recovery_timeout_s  # bounds the retries of this round
                 while True:
@@ -353,6 +389,10 @@ class SpeculativeClient:
                 result.num_draft_tokens += len(drafts)
                 result.num_accepted_tokens += vresp.num_accepted
                 log.debug("round=%d drafts=%d accepted=%d", result.num_rounds, len(drafts), vresp.num_accepted)
+                if controller is not None and drafts:
+                    if steady:
+                        controller.update(len(drafts), vresp.num_accepted, draft_s, now - ts)
+                    result.gamma_per_round.append(len(drafts))
 
                 new: list[int] = []
                 for i, tok in enumerate(out):
@@ -411,7 +451,7 @@ class SpeculativeClient:
             resp = link.server.stub.Draft(
                 pb.DraftRequest(session_id=link.session_id, truncate_to=keep, append_token_ids=committed[keep:],
                                 num_draft_tokens=min(gamma, link.max_draft_tokens), sampling=sampling,
-                                proposal_format=fmt_pb, prompt_length=prompt_length),
+                                proposal_format=fmt_pb, prompt_length=prompt_length, fanout=link.fanout),
                 timeout=self.timeout_s,
             )
         except grpc.RpcError as exc:
@@ -432,6 +472,8 @@ class SpeculativeClient:
             return [], None
         drafts = list(resp.draft_token_ids)
         result.proposal_bytes += len(resp.proposal.probs) + len(resp.proposal.token_ids)
+        result.cached_draft_tokens += resp.cached_draft_tokens
+        result.speculation_hits += int(0 < len(drafts) == resp.cached_draft_tokens)
         link.kv = committed + drafts[:-1]
         _check_kv("drafter", resp.kv_length, len(link.kv))
         return drafts, resp.proposal
@@ -579,6 +621,7 @@ class _Link:
 @dataclass
 class _DrafterLink(_Link):
     gamma_max: int = 0  # this generation's γ
+    fanout: int = 0  # speculation cache: bonus candidates the drafter pre-drafts
     max_draft_tokens: int = 0  # γ on the current drafter: min(gamma_max, its max_draft_tokens)
 
 

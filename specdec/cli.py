@@ -43,6 +43,13 @@ class AddressList(argparse.Action):
         setattr(namespace, self.dest, f"{previous},{values}" if previous else values)
 
 
+def gamma_arg(text: str) -> int | str:
+    """--num-speculative-tokens: an integer >= 0, or 'auto'."""
+    if text == "auto":
+        return text
+    return _positive_int("--num-speculative-tokens")(text)
+
+
 def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--model", default="embedded",
                    help="HF model id (from the local HF cache), local directory, or 'embedded' (SmolLM2-135M-Instruct)")
@@ -82,6 +89,10 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--max-wait-ms", type=float, default=10.0,
                    help="how long a non-full batch waits for more requests, only while batches hold > 1 request")
     p.add_argument("--session-ttl-s", type=float, default=600.0, help="idle sessions are closed after this")
+    if role == "drafter":
+        p.add_argument("--speculation-slots", type=_positive_int("--speculation-slots"), default=16,
+                       help="KV slots for branches pre-drafted while the verifier works (requests with fanout > 0), "
+                            "shared by all sessions; 0 turns the speculation cache off")
     p.add_argument("--grace-s", type=float, default=5.0, help="on SIGTERM, wait this long for in-flight calls")
     p.add_argument("--log-level", default="INFO")
 
@@ -151,7 +162,8 @@ def _serve(args: argparse.Namespace, role: str) -> int:
                      prefill_dtype=args.prefill_dtype)
     config = EngineConfig(max_draft_tokens=args.max_draft_tokens, max_sessions=args.max_sessions,
                           session_ttl_s=args.session_ttl_s, kv_budget_mb=args.kv_budget_mb,
-                          max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms)
+                          max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
+                          speculation_slots=getattr(args, "speculation_slots", 0))
     if role == "drafter" and args.backend == "ngram":
         from drafter_service.ngram_engine import NgramDrafterEngine
         from drafter_service.server import run
@@ -195,7 +207,12 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                    help="wire form of q (default: ids when greedy, else dense)")
     p.add_argument("--proposal-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--top-n", type=int, default=64, help="tokens kept by --proposal sparse")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="gamma, drafts per round")
+    p.add_argument("--num-speculative-tokens", type=gamma_arg, default=4,
+                   help="gamma, drafts per round, or 'auto' (adaptive per round in [1, 8], from the measured "
+                        "acceptance and costs)")
+    p.add_argument("--fanout", type=_positive_int("--fanout"), default=0,
+                   help="speculation cache: the drafter pre-drafts the next round for its top-F bonus candidates "
+                        "while the verifier works (0 = off)")
 
 
 def _params(args: argparse.Namespace):
@@ -223,8 +240,6 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if not args.target_only and not args.drafter:
         parser.error("argument --drafter: required unless --target-only")
-    if args.num_speculative_tokens < 0:
-        parser.error("argument --num-speculative-tokens: must be >= 0")
     try:
         params = _params(args)
     except SpecDecError as exc:

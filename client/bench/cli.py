@@ -1,4 +1,4 @@
-"""`specdec bench serve|sweep|peer|verifier|sampler`: arguments, then a call into a module.
+"""`specdec bench serve|compare|sweep|peer|verifier|sampler`: arguments, then a call into a module.
 
 Only argparse at module level: `specdec.cli` builds this parser for every command.
 """
@@ -48,6 +48,17 @@ def _positive(name: str, kind=int):
     return parse
 
 
+def _non_negative(name: str):
+    def parse(text: str) -> int:
+        return 0 if text.strip() == "0" else _positive(name)(text)
+
+    return parse
+
+
+def _gamma(text: str) -> int | str:
+    return text if text == "auto" else _positive("--num-speculative-tokens")(text)
+
+
 def _add_dataset_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: int) -> None:
     p.add_argument("--dataset", default="specbench",
                    help="'specbench' (the shipped 126 prompts, 7 categories) or a ShareGPT JSON file")
@@ -77,7 +88,9 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
-    p.add_argument("--num-speculative-tokens", type=_positive("--num-speculative-tokens"), default=4, help="gamma")
+    p.add_argument("--num-speculative-tokens", type=_gamma, default=4, help="gamma, or 'auto' (adaptive per round)")
+    p.add_argument("--fanout", type=_non_negative("--fanout"), default=0,
+                   help="speculation cache: the drafter pre-drafts the next round for its top-F bonus candidates")
     p.add_argument("--timeout-s", type=float, default=60.0, help="deadline of every call")
     p.add_argument("--duration-limit-s", type=_positive("--duration-limit-s", float), default=None,
                    help="hard bound on the run: unsent requests fail, in-flight ones stop after their round")
@@ -98,6 +111,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--target-only", action="store_true", help="the baseline: verifier alone, drafter never contacted")
     s.add_argument("--baseline-json", default=None,
                    help="--result-json of a --target-only run of the same workload (gives system efficiency)")
+
+    c = sub.add_parser("compare", help="one workload, several client configurations (gamma, auto, fanout), one run")
+    _add_workload_args(c)
+    c.add_argument("--variants", nargs="+", required=True, metavar="VARIANT",
+                   help="'target-only' or 'gamma=G[,fanout=F]' (G an integer or auto), run in this order; "
+                        "target-only is added first when missing")
 
     w = sub.add_parser("sweep", help="serve at several concurrencies or rates, speculative and target-only")
     _add_workload_args(w)
@@ -146,6 +165,7 @@ def _workload(args: argparse.Namespace, target_only: bool):
         verifier=args.verifier, drafter=args.drafter, dataset=args.dataset, num_prompts=args.num_prompts,
         request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
         seed=args.seed, params=params, num_speculative_tokens=args.num_speculative_tokens, chat=args.chat,
+        fanout=args.fanout,
         target_only=target_only, timeout_s=args.timeout_s, duration_limit_s=args.duration_limit_s,
         goodput_slos_ms=dict(args.goodput), warmup_requests=args.warmup_requests,
         show_progress=not args.disable_tqdm,
@@ -179,6 +199,21 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--baseline-json ran a different workload ({', '.join(differs)} differ); "
                              "its speedup and efficiency would be meaningless")
     return 0 if result["completed"] else 1
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from client.bench import serve
+    from client.bench.compare import format_compare, parse_variant, run_compare
+
+    for v in args.variants:
+        parse_variant(v)  # refuse a bad variant before any run
+    if not args.drafter:
+        raise ValueError("--drafter is required (the variants run speculative decoding)")
+    result = run_compare(_workload(args, False), args.variants)
+    print(format_compare(result))
+    if args.result_json:
+        serve.write_json(result, args.result_json)
+    return 0 if all(v["completed"] for v in result["variants"]) else 1
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -224,5 +259,5 @@ def run_bench(args: argparse.Namespace) -> int:
     from client.bench import verifier
     from specdec import bench_sampler
 
-    commands = {"serve": _serve, "sweep": _sweep, "peer": _peer, "verifier": verifier.run, "sampler": bench_sampler.run}
+    commands = {"serve": _serve, "compare": _compare, "sweep": _sweep, "peer": _peer, "verifier": verifier.run, "sampler": bench_sampler.run}
     return commands[args.bench_command](args)

@@ -64,7 +64,7 @@ import numpy as np
 
 from client.bench.datasets import SHIPPED, BenchPrompt, interleave, load_dataset
 from client.pool import parse_addresses
-from client.speculative import SpeculativeClient
+from client.speculative import AUTO, SpeculativeClient
 from specdec.sampling import SamplingParams, mix64
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
@@ -88,7 +88,8 @@ class WorkloadConfig:
     max_concurrency: int | None = None
     seed: int = 0
     params: SamplingParams = SamplingParams(temperature=0.0, max_tokens=64)
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int | str = 4  # or "auto": adaptive γ per round
+    fanout: int = 0  # speculation cache
     chat: bool = True
     target_only: bool = False
     timeout_s: float = 60.0
@@ -127,6 +128,7 @@ class RequestRecord:
     accepted_per_round: list[int] = field(default_factory=list)
     drafts_per_round: list[int] = field(default_factory=list)  # empty when it could not be inferred
     draft_time: float = 0.0  # client-measured time in Draft calls
+    cached_draft_tokens: int = 0  # drafts that came from the drafter's speculation cache
     verify_time: float = 0.0  # client-measured time in Verify calls
     drafters: list[str] = field(default_factory=list)  # servers its sessions were on (pools), in order
     verifiers: list[str] = field(default_factory=list)
@@ -244,7 +246,7 @@ class _Aborted(Exception):
     pass
 
 
-def send_request(client: SpeculativeClient, req: BenchRequest, config: WorkloadConfig, gamma: int,
+def send_request(client: SpeculativeClient, req: BenchRequest, config: WorkloadConfig, gamma: int | str,
                  run_start: float, deadline: float | None) -> RequestRecord:
     rec = RequestRecord(index=req.index, category=req.prompt.category, prompt_id=req.prompt.id,
                         input_tokens=len(req.prompt_ids))
@@ -255,7 +257,7 @@ def send_request(client: SpeculativeClient, req: BenchRequest, config: WorkloadC
     sent = last = time.perf_counter()
     rec.start = sent - run_start
     stream = client.stream(list(req.prompt_ids), params, num_speculative_tokens=gamma,
-                           target_only=config.target_only)
+                           target_only=config.target_only, fanout=config.fanout)
     result = None
     emitted = 0
     try:
@@ -266,7 +268,7 @@ def send_request(client: SpeculativeClient, req: BenchRequest, config: WorkloadC
             else:
                 rec.itl.append(now - last)
             last = now
-            if not config.target_only:
+            if not config.target_only and gamma != AUTO:
                 # The client drafts min(γ, remaining - 1) so that a round never overshoots max_tokens.
                 rec.drafts_per_round.append(max(0, min(gamma, params.max_tokens - emitted - 1)))
                 rec.accepted_per_round.append(max(len(chunk.token_ids) - 1, 0))
@@ -290,6 +292,9 @@ def send_request(client: SpeculativeClient, req: BenchRequest, config: WorkloadC
     rec.rounds = result.num_rounds
     rec.draft_tokens = result.num_draft_tokens
     rec.accepted_tokens = result.num_accepted_tokens
+    if gamma == AUTO:
+        rec.drafts_per_round = list(result.gamma_per_round)
+    rec.cached_draft_tokens = result.cached_draft_tokens
     if sum(rec.drafts_per_round) != rec.draft_tokens:  # the client drafted differently than inferred
         rec.drafts_per_round = []
     rec.draft_time = result.draft_time_s
@@ -407,6 +412,9 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float,
         "mean_draft_time_per_round_ms": _ratio(sum(r.draft_time for r in ok), rounds, 1000.0) if drafts else None,
         "mean_draft_time_per_token_ms": _ratio(sum(r.draft_time for r in ok), drafts, 1000.0),
         "mean_verify_time_per_round_ms": _ratio(sum(r.verify_time for r in ok), rounds, 1000.0),
+        "mean_drafts_per_round": _ratio(drafts, rounds) if drafts else None,
+        # Drafts the drafter had ready from its speculation cache (fanout > 0), of all drafts.
+        "speculation_cache_hit_rate": _ratio(sum(r.cached_draft_tokens for r in ok), drafts),
         "goodput": None,
     })
     if goodput_slos_ms:
@@ -423,12 +431,15 @@ def expected_tokens_per_round(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-def efficiency(spec: dict, base: dict | None, gamma: int) -> dict[str, float | None]:
+def efficiency(spec: dict, base: dict | None, gamma: int | str) -> dict[str, float | None]:
     """ideal_speedup, measured_speedup and system_efficiency of a speculative run
-    against a target-only run of the same workload (all None without one)."""
+    against a target-only run of the same workload (all None without one). With
+    adaptive γ the model takes the mean drafts per round."""
     none = {"ideal_speedup": None, "measured_speedup": None, "system_efficiency": None}
     if base is None:
         return none
+    if gamma == AUTO:
+        gamma = spec.get("mean_drafts_per_round") or 0
     alpha = spec.get("acceptance_rate")
     c_draft = spec.get("mean_draft_time_per_token_ms")
     c_verify = spec.get("mean_verify_time_per_round_ms")
@@ -462,11 +473,16 @@ def run_serve(config: WorkloadConfig, client: SpeculativeClient | None = None,
                                    num_speculative_tokens=config.num_speculative_tokens,
                                    timeout_s=_call_timeout(config), recovery_timeout_s=_call_timeout(config))
     try:
-        gamma = 0 if config.target_only else client.effective_gamma(config.num_speculative_tokens)
+        if config.target_only:
+            gamma = 0
+        elif config.num_speculative_tokens == AUTO:
+            gamma = AUTO
+        else:
+            gamma = client.effective_gamma(config.num_speculative_tokens)
         requests = build_requests(client, config)
         for req in requests[: config.warmup_requests]:
             client.generate(list(req.prompt_ids), config.params.replace(max_tokens=WARMUP_MAX_TOKENS),
-                            num_speculative_tokens=gamma, target_only=config.target_only)
+                            num_speculative_tokens=gamma, target_only=config.target_only, fanout=config.fanout)
         roles = {"verifier": config.verifier}
         if not config.target_only:  # a target-only run never contacts the drafter
             roles["drafter"] = config.drafter
@@ -487,6 +503,7 @@ def run_serve(config: WorkloadConfig, client: SpeculativeClient | None = None,
         "dataset": config.dataset,
         "chat": config.chat,
         "num_speculative_tokens": gamma,
+        "fanout": 0 if config.target_only else config.fanout,
         "request_rate": _json_rate(config.request_rate),
         "burstiness": config.burstiness,
         "max_concurrency": config.max_concurrency,
@@ -586,6 +603,9 @@ def format_result(result: dict) -> str:
     row("Mean rounds per request:", result["mean_rounds_per_request"])
     row("Draft time per drafted token (ms):", result["mean_draft_time_per_token_ms"])
     row("Verify time per round (ms):", result["mean_verify_time_per_round_ms"])
+    if result.get("fanout"):
+        row("Speculation cache fanout:", result["fanout"])
+        row("Drafts from the speculation cache:", result.get("speculation_cache_hit_rate"), 3)
     row("Ideal speedup:", result.get("ideal_speedup"))
     row("Measured speedup:", result.get("measured_speedup"))
     row("System efficiency:", result.get("system_efficiency"), 3)

@@ -1,0 +1,87 @@
+"""`specdec bench compare`: one workload, several client configurations, one run.
+
+Each variant is `target-only` or `gamma=G[,fanout=F]` with G an integer or `auto`
+(adaptive γ); they run one after another against the same services, in the order given,
+and every speculative variant is compared with the target-only one of the same run
+(measured speedup, ideal speedup from its own α, γ and costs, system efficiency), plus
+the share of its drafts that the speculation cache had ready. This is how the closing
+notes compare the speculation cache on / off and adaptive against fixed γ.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from client.bench.serve import WorkloadConfig, _call_timeout, _fmt, add_efficiency, run_serve
+from client.speculative import AUTO, SpeculativeClient
+
+TARGET_ONLY = "target-only"
+
+
+def parse_variant(text: str) -> dict:
+    """'target-only' | 'gamma=4' | 'gamma=auto,fanout=2' -> WorkloadConfig changes."""
+    text = text.strip()
+    if text == TARGET_ONLY:
+        return {"target_only": True}
+    changes: dict = {"target_only": False}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key = {"g": "gamma", "f": "fanout"}.get(key.strip(), key.strip())
+        if not sep or key not in ("gamma", "fanout"):
+            raise ValueError(f"a variant is 'target-only' or 'gamma=G[,fanout=F]', got {text!r}")
+        value = value.strip()
+        if key == "gamma" and value == AUTO:
+            changes["num_speculative_tokens"] = AUTO
+            continue
+        try:
+            number = int(value)
+        except ValueError:
+            raise ValueError(f"variant {text!r}: {key} must be an integer{' or auto' if key == 'gamma' else ''}") from None
+        if number < (1 if key == "gamma" else 0):
+            raise ValueError(f"variant {text!r}: {key} must be >= {1 if key == 'gamma' else 0}")
+        changes["num_speculative_tokens" if key == "gamma" else "fanout"] = number
+    if "num_speculative_tokens" not in changes:
+        raise ValueError(f"variant {text!r} names no gamma")
+    return changes
+
+
+def run_compare(base: WorkloadConfig, variants: list[str]) -> dict:
+    parsed = [(v, parse_variant(v)) for v in variants]
+    if not any(c["target_only"] for _, c in parsed):
+        parsed.insert(0, (TARGET_ONLY, {"target_only": True}))  # the baseline is always measured
+    rows = []
+    with SpeculativeClient(base.verifier, drafter=base.drafter, timeout_s=_call_timeout(base),
+                           recovery_timeout_s=_call_timeout(base)) as client:
+        for name, changes in parsed:
+            rows.append((name, run_serve(base.replace(**changes), client)))
+    baseline = next(r for name, r in rows if r["mode"] == "target-only")
+    for _, result in rows:
+        if result["mode"] != "target-only":
+            add_efficiency(result, baseline)
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "backend": "specdec",
+        "verifier": base.verifier,
+        "drafter": base.drafter,
+        "dataset": base.dataset,
+        "num_prompts": base.num_prompts,
+        "variants": [{"variant": name, **result} for name, result in rows],
+    }
+
+
+def format_compare(result: dict) -> str:
+    header = (f"{'variant':<22}{'done':>5}{'tok/s/req':>10}{'out tok/s':>10}{'med TTFT':>10}{'med TPOT':>10}"
+              f"{'accept':>8}{'drafts/rd':>10}{'cache':>7}{'speedup':>9}{'ideal':>7}{'effic.':>8}")
+    lines = [header, "-" * len(header)]
+    for r in result["variants"]:
+        lines.append(
+            f"{r['variant']:<22}{r['completed']:>5}{_fmt(r.get('output_tokens_per_request_s')):>10}"
+            f"{_fmt(r['output_throughput']):>10}{_fmt(r['median_ttft_ms'], 1):>10}{_fmt(r['median_tpot_ms'], 1):>10}"
+            f"{_fmt(r['acceptance_rate'], 3):>8}{_fmt(r.get('mean_drafts_per_round')):>10}"
+            f"{_fmt(r.get('speculation_cache_hit_rate') if r.get('fanout') else None):>7}"
+            f"{_fmt(r.get('measured_speedup')):>9}{_fmt(r.get('ideal_speedup')):>7}"
+            f"{_fmt(r.get('system_efficiency'), 3):>8}"
+        )
+    lines.append("tok/s/req: output tokens per second of a request's own life (the speedup basis); "
+                 "cache: share of drafts the speculation cache had ready")
+    return "\n".join(lines)
