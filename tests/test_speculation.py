@@ -294,3 +294,53 @@ def test_grpc_seeded_sampling_is_the_same_with_and_without_the_cache(int8_drafte
             assert b.cached_draft_tokens <= b.num_draft_tokens
             cached += b.cached_draft_tokens
     assert cached > 0  # some rounds did come from branches
+
+
+# ---- adaptive γ and the comparison bench ------------------------------------------------
+
+
+def test_grpc_adaptive_gamma_keeps_the_greedy_output_and_its_bounds(int8_client):
+    """The int8 drafter's acceptance varies, so γ moves; the output is the target's."""
+    from specdec.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=40)
+    for prompt in PROMPTS:
+        base = int8_client.generate(prompt, params, target_only=True, chat=True)
+        auto = int8_client.generate(prompt, params, num_speculative_tokens="auto", chat=True)
+        assert auto.token_ids == base.token_ids
+        assert auto.gamma_per_round and all(1 <= g <= 8 for g in auto.gamma_per_round)
+        assert sum(auto.gamma_per_round) == auto.num_draft_tokens
+    with pytest.raises(ValueError, match="auto"):
+        int8_client.generate("x", params, num_speculative_tokens="sometimes")
+
+
+def test_compare_variants_parse_and_refuse():
+    from client.bench.compare import parse_variant
+
+    assert parse_variant("target-only") == {"target_only": True}
+    assert parse_variant("gamma=4") == {"target_only": False, "num_speculative_tokens": 4}
+    assert parse_variant("g=auto,f=2") == {"target_only": False, "num_speculative_tokens": "auto", "fanout": 2}
+    for bad in ("gamma=0", "fanout=2", "gamma=x", "gamma=4,speed=2", "gamma=4,fanout=-1"):
+        with pytest.raises(ValueError):
+            parse_variant(bad)
+
+
+def test_bench_compare_runs_every_variant_against_its_target_only(verifier_proc, drafter_proc):
+    from client.bench.compare import format_compare, run_compare
+    from client.bench.serve import WorkloadConfig
+    from specdec.sampling import SamplingParams
+
+    base = WorkloadConfig(verifier=verifier_proc.address, drafter=drafter_proc.address, num_prompts=2,
+                          max_concurrency=1, params=SamplingParams(temperature=0, max_tokens=12),
+                          warmup_requests=0, show_progress=False)
+    result = run_compare(base, ["gamma=3", "gamma=3,fanout=2", "gamma=auto"])
+    names = [v["variant"] for v in result["variants"]]
+    assert names == ["target-only", "gamma=3", "gamma=3,fanout=2", "gamma=auto"]
+    outputs = {v["variant"]: [r["output_tokens"] for r in v["per_request"]] for v in result["variants"]}
+    assert len({tuple(o) for o in outputs.values()}) == 1  # greedy: every variant emits the same lengths
+    for v in result["variants"][1:]:
+        assert v["completed"] == 2 and v["measured_speedup"] > 0 and v["system_efficiency"] > 0
+    cached = result["variants"][2]
+    assert cached["fanout"] == 2 and cached["speculation_cache_hit_rate"] is not None
+    assert result["variants"][1]["speculation_cache_hit_rate"] == 0
+    assert "gamma=auto" in format_compare(result)
