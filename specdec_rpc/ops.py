@@ -328,6 +328,11 @@ _COUNTERS = {
     "emitted_tokens": ("specdec_emitted_tokens", "tokens emitted (accepted drafts + recovered / bonus)"),
     "batches": ("specdec_batches", "batched engine steps"),
     "evictions": ("specdec_session_evictions", "sessions evicted to admit new ones"),
+    "speculation_hits": ("specdec_speculation_hits", "Draft calls answered wholly from a pre-drafted branch"),
+    "speculation_partial_hits": ("specdec_speculation_partial_hits", "Draft calls that a branch answered in part"),
+    "speculation_misses": ("specdec_speculation_misses", "Draft calls whose pending branches did not match"),
+    "speculation_draft_tokens": ("specdec_speculation_draft_tokens", "tokens drafted ahead in branches"),
+    "speculation_dropped_branches": ("specdec_speculation_dropped_branches", "branches with drafts never used"),
 }
 _GAUGES = {
     "live_sessions": ("specdec_live_sessions", "open sessions"),

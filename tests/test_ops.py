@@ -109,6 +109,7 @@ def test_metrics_count_a_generation_and_its_errors(services):
     for gauge in ("specdec_live_sessions", "specdec_kv_tokens", "specdec_kv_bytes"):
         assert f"{gauge}{{role=verifier}}" in v and f"{gauge}{{role=drafter}}" in d
     assert d["specdec_draft_tokens_total{role=drafter}"] >= result.num_draft_tokens
+    assert d["specdec_speculation_misses_total{role=drafter}"] >= 0  # a counter, exported by the drafter
     assert d["grpc_server_handled_total{grpc_code=OK,grpc_method=Draft,grpc_service=specdec.v1.Drafter}"] >= 1
 
 
