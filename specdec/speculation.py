@@ -85,7 +85,8 @@ class SpeculationCache:
     `max_branch_slots` branch slots in all, reused through a free list. Thread-safe: the
     engine thread runs jobs, gRPC threads drop those of closed sessions."""
 
-    def __init__(self, max_branch_slots: int, new_slot: Callable[[], Any], copy_prefix: Callable[[Any, Any, int], None]) -> None:
+    def __init__(self, max_branch_slots: int, new_slot: Callable[[], Any],
+                 copy_prefix: Callable[[Any, Any, int], None]) -> None:
         if max_branch_slots < 0:
             raise ValueError(f"max_branch_slots must be >= 0, got {max_branch_slots}")
         self.max_branch_slots = max_branch_slots
@@ -136,7 +137,8 @@ class SpeculationCache:
             found = None
             if (key == job.key and len(sequence) == job.sequence_len and sequence[-2] == job.last_draft
                     and sequence[: len(job.prefix)] == job.prefix):
-                found = next((b for b in job.branches if b.candidate == sequence[-1] and b.drafts and b.slot is not None), None)
+                found = next((b for b in job.branches
+                              if b.candidate == sequence[-1] and b.drafts and b.slot is not None), None)
             if found is not None:
                 job.branches.remove(found)
                 self._allocated -= 1  # the session owns it now
@@ -153,7 +155,8 @@ class SpeculationCache:
             self._free.append(old_session_slot)
             self._trim()
 
-    def work(self, limit: int, alive: Callable[[str], bool] = lambda sid: True) -> list[tuple[SpeculationJob, Branch | None]]:
+    def work(self, limit: int,
+             alive: Callable[[str], bool] = lambda sid: True) -> list[tuple[SpeculationJob, Branch | None]]:
         """The next forward: per job (oldest first, at most `limit`), its probe (branch
         None) or its current branch, forked into a slot when it starts. Jobs of sessions
         that are gone and jobs that cannot get a slot are dropped."""
