@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 from scipy import stats
@@ -86,3 +89,35 @@ def chi_square_pvalue(observed: dict, expected_probs: dict, n: int, min_expected
     obs_arr, exp_arr = np.asarray(obs, float), np.asarray(exp, float)
     exp_arr *= obs_arr.sum() / exp_arr.sum()
     return float(stats.chisquare(obs_arr, exp_arr).pvalue)
+
+
+def stream_concurrently(client, jobs: list, progress, chunks: dict | None = None,
+                        gamma: int = 4) -> tuple[list, list[threading.Thread]]:
+    """One streaming thread per (prompt, params) job, started; progress[i] counts the rounds
+    job i has done, chunks[i] (if given) gets (arrival time.monotonic(), tokens) per round.
+    Returns (results, threads): a GenerationResult or the exception, per job."""
+    results: list = [RuntimeError("not run")] * len(jobs)
+
+    def run(i: int) -> None:
+        try:
+            for chunk in client.stream(jobs[i][0], jobs[i][1], num_speculative_tokens=gamma):
+                if chunks is not None:
+                    chunks[i].append((time.monotonic(), len(chunk.token_ids)))
+                progress[i] += 1
+                if chunk.result is not None:
+                    results[i] = chunk.result
+        except Exception as exc:  # reported by the assertion on results
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)

@@ -18,6 +18,7 @@ from client.speculative import GenerationResult, SpeculativeClient
 from specdec.sampling import SamplingParams
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
+from tests.conftest import stream_concurrently, wait_for
 
 pytestmark = pytest.mark.slow
 ARGS = ["--max-draft-tokens", "8", "--log-level", "WARNING"]
@@ -31,34 +32,6 @@ def _port(svc: ServiceProcess) -> int:
     return int(svc.address.rsplit(":", 1)[1])
 
 
-def _generate_concurrently(client: SpeculativeClient, prompts: list[str], progress: collections.Counter,
-                           gamma: int = 4) -> tuple[list[GenerationResult | Exception], list[threading.Thread]]:
-    """One thread per prompt, streaming; `progress[i]` counts the rounds prompt i has done."""
-    results: list[GenerationResult | Exception] = [RuntimeError("not run")] * len(prompts)
-
-    def run(i: int) -> None:
-        try:
-            for chunk in client.stream(prompts[i], GREEDY, num_speculative_tokens=gamma):
-                progress[i] += 1
-                if chunk.result is not None:
-                    results[i] = chunk.result
-        except Exception as exc:  # reported by the assertion on results
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    return results, threads
-
-
-def _wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def test_drafter_killed_during_8_generations_they_finish_target_only_and_speculation_resumes():
     verifier = start_service("verifier", ARGS, threads=1)
     drafter = start_service("drafter", ARGS, threads=1)
@@ -67,9 +40,9 @@ def test_drafter_killed_during_8_generations_they_finish_target_only_and_specula
         with SpeculativeClient(verifier.address, drafter=drafter.address) as client:
             expected = [client.generate(p, GREEDY, target_only=True).token_ids for p in PROMPTS]
             progress: collections.Counter = collections.Counter()
-            results, threads = _generate_concurrently(client, PROMPTS, progress)
+            results, threads = stream_concurrently(client, [(p, GREEDY) for p in PROMPTS], progress)
             # Kill once every generation has committed a round, i.e. all are mid-generation.
-            _wait_for(lambda: len(progress) == len(PROMPTS), 120, "a first round of every generation")
+            wait_for(lambda: len(progress) == len(PROMPTS), 120, "a first round of every generation")
             drafter.kill()  # SIGKILL
             for t in threads:
                 t.join(180)
@@ -106,8 +79,8 @@ def test_verifier_restarted_mid_generation_generations_complete_with_the_greedy_
         with SpeculativeClient(verifier.address, drafter=drafter.address, recovery_timeout_s=240) as client:
             expected = [client.generate(p, GREEDY, target_only=True).token_ids for p in prompts]
             progress: collections.Counter = collections.Counter()
-            results, threads = _generate_concurrently(client, prompts, progress)
-            _wait_for(lambda: len(progress) == len(prompts), 120, "a first round of every generation")
+            results, threads = stream_concurrently(client, [(p, GREEDY) for p in prompts], progress)
+            wait_for(lambda: len(progress) == len(prompts), 120, "a first round of every generation")
             verifier.kill()
             restarted = start_service("verifier", ARGS, port=_port(verifier), threads=1)
             for t in threads:

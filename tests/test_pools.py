@@ -17,6 +17,7 @@ from client.pool import BACKOFF_MAX_S, BACKOFF_MIN_S, Server, ServerPool, parse_
 from client.speculative import GenerationResult, IncompatibleModels, SpeculativeClient, _check_same_target
 from specdec.sampling import SamplingParams
 from specdec.serving import ModelInfo
+from tests.conftest import stream_concurrently, wait_for
 
 ARGS = ["--max-draft-tokens", "8", "--log-level", "WARNING"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,",
@@ -146,36 +147,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_concurrently(client: SpeculativeClient, jobs: list[tuple[str, SamplingParams]], progress: collections.Counter,
-                      chunks: dict[int, list[tuple[float, int]]]) -> tuple[list, list[threading.Thread]]:
-    """One streaming thread per (prompt, params); progress[i] counts rounds, chunks[i] holds
-    (arrival time.monotonic(), tokens) of each round."""
-    results: list = [RuntimeError("not run")] * len(jobs)
-
-    def run(i: int) -> None:
-        try:
-            for chunk in client.stream(jobs[i][0], jobs[i][1], num_speculative_tokens=4):
-                chunks[i].append((time.monotonic(), len(chunk.token_ids)))
-                progress[i] += 1
-                if chunk.result is not None:
-                    results[i] = chunk.result
-        except Exception as exc:  # reported by the assertion on results
-            results[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    return results, threads
-
-
-def _wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 def _target_only(client: SpeculativeClient, prompts: list[str]) -> list[list[int]]:
     out: list = [None] * len(prompts)
 
@@ -203,13 +174,13 @@ def test_drafter_pool_takes_a_late_drafter_balances_and_moves_a_killed_drafters_
         with SpeculativeClient(verifier_proc.address, drafter=[late, drafter_proc.address]) as client:
             assert client.drafters.servers[0].down  # not there yet: the client started anyway
             doomed = start_service("drafter", ARGS, port=int(late.rsplit(":", 1)[1]), threads=1)
-            _wait_for(lambda: client.generate(PROMPTS[0], GREEDY.replace(max_tokens=2)).drafter_addresses == [late],
+            wait_for(lambda: client.generate(PROMPTS[0], GREEDY.replace(max_tokens=2)).drafter_addresses == [late],
                       60, "the late drafter to take a session")
             expected = _target_only(client, PROMPTS)
             progress: collections.Counter = collections.Counter()
             chunks: dict[int, list] = collections.defaultdict(list)
-            results, threads = _run_concurrently(client, [(p, GREEDY) for p in PROMPTS], progress, chunks)
-            _wait_for(lambda: len(progress) == len(PROMPTS), 120, "a first round of every generation")
+            results, threads = stream_concurrently(client, [(p, GREEDY) for p in PROMPTS], progress, chunks)
+            wait_for(lambda: len(progress) == len(PROMPTS), 120, "a first round of every generation")
             live_at_kill = client.drafters.live_sessions()
             killed_at = time.monotonic()
             doomed.kill()  # SIGKILL
@@ -258,8 +229,8 @@ def test_verifier_pool_moves_a_killed_verifiers_sessions_and_outputs_do_not_chan
             jobs = [(p, GREEDY) for p in prompts] + [(p, SEEDED) for p in prompts]
             progress: collections.Counter = collections.Counter()
             chunks: dict[int, list] = collections.defaultdict(list)
-            results, threads = _run_concurrently(client, jobs, progress, chunks)
-            _wait_for(lambda: len(progress) == len(jobs), 120, "a first round of every generation")
+            results, threads = stream_concurrently(client, jobs, progress, chunks)
+            wait_for(lambda: len(progress) == len(jobs), 120, "a first round of every generation")
             live_at_kill = client.verifiers.live_sessions()
             doomed.kill()  # SIGKILL
             for t in threads:

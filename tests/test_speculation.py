@@ -40,20 +40,25 @@ def _job(sid: str, prefix=(1, 2, 3), last=4, gamma=2, fanout=2, key="k") -> Spec
     return SpeculationJob(sid, src, list(prefix), last, gamma, fanout, key)
 
 
-def _run_to_completion(cache: SpeculationCache, candidates=(7, 8)) -> None:
-    """Drive the jobs as the engine does: probe, then each branch's drafts (draft = 100 + step)."""
+def _step(cache: SpeculationCache, candidates=(7, 8)) -> bool:
+    """One idle step as the engine runs it: each job's probe (then its branches start), or
+    one draft of its current branch (draft = 100 + its index). False when there is no work."""
+    work = cache.work(limit=8)
+    for job, branch in work:
+        if branch is None:
+            job.branches[0].slot.length = len(job.prefix)
+            cache.start(job, list(candidates)[: job.fanout], builder_factory)
+        else:
+            branch.tokens.extend(branch.pending)
+            branch.drafts.append(100 + len(branch.drafts))
+            branch.pending = [] if branch.done(job.gamma) else [branch.drafts[-1]]
+    return bool(work)
+
+
+def _run_to_completion(cache: SpeculationCache) -> None:
     for _ in range(100):
-        work = cache.work(limit=8)
-        if not work:
+        if not _step(cache):
             return
-        for job, branch in work:
-            if branch is None:
-                job.branches[0].slot.length = len(job.prefix)
-                cache.start(job, list(candidates)[: job.fanout], builder_factory)
-            else:
-                branch.tokens.extend(branch.pending)
-                branch.drafts.append(100 + len(branch.drafts))
-                branch.pending = [] if branch.done(job.gamma) else [branch.drafts[-1]]
     raise AssertionError("speculation never finished")
 
 
@@ -103,27 +108,14 @@ def test_miss_when_the_sequence_or_the_request_differs(sequence, key):
 
 def test_partial_branch_is_returned_with_its_drafts_so_far_and_an_unstarted_one_is_not():
     cache, _ = _cache(max_slots=4)
-    cache.submit(_job("a", gamma=3))
-    cache.work(8)  # the probe's row
-    job = cache._jobs["a"]
-    job.branches[0].slot.length = 3
-    cache.start(job, [7, 8], builder_factory)
-    (j, branch), = cache.work(8)
-    branch.tokens.extend(branch.pending)
-    branch.drafts.append(100)
-    branch.pending = [100]
-    assert cache.take("a", [1, 2, 3, 4, 8], "k") is None  # branch 8 never started
-    cache.submit(_job("a", gamma=3))
-    cache.work(8)
-    job = cache._jobs["a"]
-    job.branches[0].slot.length = 3
-    cache.start(job, [7, 8], builder_factory)
-    (j, branch), = cache.work(8)
-    branch.tokens.extend(branch.pending)
-    branch.drafts.append(100)
-    branch.pending = [100]
-    got = cache.take("a", [1, 2, 3, 4, 7], "k")
-    assert got is branch and got.drafts == [100] and got.pending == [100]
+    for bonus, expect_hit in ((8, False), (7, True)):
+        cache.submit(_job("a", gamma=3))
+        _step(cache)  # the probe
+        _step(cache)  # branch 7 drafts its first token; branch 8 has not started
+        branch = cache._jobs["a"].branches[0]
+        assert branch.candidate == 7 and branch.drafts == [100] and branch.pending == [100]
+        got = cache.take("a", [1, 2, 3, 4, bonus], "k")
+        assert (got is branch) if expect_hit else (got is None)
 
 
 def test_slots_are_bounded_reused_and_the_oldest_job_gives_way():
