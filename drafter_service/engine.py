@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.batching import WorkItem
-from specdec.errors import InvalidArgument
 from specdec.models import CausalLM, ModelSpec, Row
 from specdec.proposals import Proposal, ProposalBuilder, ProposalFormat
 from specdec.sampling import STREAM_DRAFT, SamplingParams, position_uniforms, process_logits
@@ -73,9 +72,8 @@ class DrafterEngine(ServingModel):
     ) -> DraftOut:
         """Validates (before the session is touched), holds the session, waits for its batch.
         fanout > 0: afterwards pre-draft the next round for that many bonus candidates."""
-        self.check_request(truncate_to, append_token_ids, num_draft_tokens, params, prompt_length=prompt_length)
-        if fanout < 0:
-            raise InvalidArgument("fanout", f"must be >= 0, got {fanout}")
+        self.check_request(truncate_to, append_token_ids, num_draft_tokens, params, prompt_length=prompt_length,
+                           fanout=fanout)
         with self.sessions.use(session_id, truncate_to, owner) as session:
             req = _Request(session, append_token_ids, num_draft_tokens, params, prompt_length,
                            ProposalBuilder(fmt, self.lm.vocab_size), fanout=fanout, pending=list(append_token_ids))

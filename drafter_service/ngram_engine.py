@@ -17,7 +17,6 @@ import logging
 
 from drafter_service.engine import DraftOut
 from specdec.batching import WorkItem
-from specdec.errors import InvalidArgument
 from specdec.models import ModelSpec, TokenOnlyLM
 from specdec.ngram import ngram_propose
 from specdec.proposals import IDS_ONLY, Proposal, ProposalFormat
@@ -62,9 +61,8 @@ class NgramDrafterEngine(ServingModel):
         """The model drafter's contract and checks. `params`, `fmt` and `fanout` are only
         validated: the proposal is ids-only whatever was asked (q is one-hot on the draft),
         and a lookup costs too little to pre-draft the next round."""
-        self.check_request(truncate_to, append_token_ids, num_draft_tokens, params, prompt_length=prompt_length)
-        if fanout < 0:
-            raise InvalidArgument("fanout", f"must be >= 0, got {fanout}")
+        self.check_request(truncate_to, append_token_ids, num_draft_tokens, params, prompt_length=prompt_length,
+                           fanout=fanout)
         with self.sessions.use(session_id, truncate_to, owner) as session:
             return self.submit(_Request(session, append_token_ids, num_draft_tokens))
 

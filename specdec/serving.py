@@ -125,10 +125,12 @@ class ServingModel:
 
     def check_request(
         self, truncate_to: int, append_token_ids: list[int], num_draft: int, params: SamplingParams,
-        draft_field: str = "num_draft_tokens", prompt_length: int = 0,
+        draft_field: str = "num_draft_tokens", prompt_length: int = 0, fanout: int = 0,
     ) -> None:
-        """Checks that need no session: ids, gamma, lengths."""
+        """Checks that need no session: ids, gamma, lengths (and a drafter's fanout)."""
         params.validate()
+        if fanout < 0:
+            raise InvalidArgument("fanout", f"must be >= 0, got {fanout}")
         self.check_token_ids(list(params.stop_token_ids), "sampling.stop_token_ids")
         if not 0 <= prompt_length <= truncate_to + len(append_token_ids):
             raise InvalidArgument(
