@@ -350,9 +350,9 @@ class SpeculativeClient:
                 gamma = max(0, min(cap, remaining - 1, drafter_context - len(committed)))
                 drafts: list[int] = []
                 proposal = None
-                # Rounds that (re-)prefill either side would skew the adaptive cost estimates.
-                steady = max(len(committed) - _lcp(draft_link.kv, committed, len(committed) - 1),
-                             len(committed) - _lcp(verifier.kv, committed, len(committed) - 1)) <= 2
+                # A side whose cache is empty (first round, new session) prefills in this round,
+                # which would skew the adaptive cost estimates.
+                steady = bool(draft_link.kv) and bool(verifier.kv)
                 ts = time.perf_counter()
                 if gamma:
                     drafts, proposal = self._draft(draft_link, committed, gamma, sampling, fmt_pb, prompt_length,

@@ -35,22 +35,16 @@ def _rate(text: str) -> float:
     return rate
 
 
-def _positive(name: str, kind=int):
+def _positive(name: str, kind=int, zero: bool = False):
+    """An argparse type: a number > 0 (>= 0 with zero=True)."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be a {kind.__name__}, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {text!r}")
+        if not (value >= 0 if zero else value > 0):
+            raise argparse.ArgumentTypeError(f"{name} must be {'>=' if zero else '>'} 0, got {text!r}")
         return value
-
-    return parse
-
-
-def _non_negative(name: str):
-    def parse(text: str) -> int:
-        return 0 if text.strip() == "0" else _positive(name)(text)
 
     return parse
 
@@ -89,7 +83,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--num-speculative-tokens", type=_gamma, default=4, help="gamma, or 'auto' (adaptive per round)")
-    p.add_argument("--fanout", type=_non_negative("--fanout"), default=0,
+    p.add_argument("--fanout", type=_positive("--fanout", zero=True), default=0,
                    help="speculation cache: the drafter pre-drafts the next round for its top-F bonus candidates")
     p.add_argument("--timeout-s", type=float, default=60.0, help="deadline of every call")
     p.add_argument("--duration-limit-s", type=_positive("--duration-limit-s", float), default=None,
