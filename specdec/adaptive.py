@@ -15,6 +15,15 @@ the drafter's speculation cache, only the part left on the critical path.
 α is estimated from the accepted prefixes: a round that accepted a of k drafts saw a
 successes and, when a < k, one failure (the maximum-likelihood estimate for a geometric
 prefix). Until the costs are measured the controller proposes γ_max.
+
+Acceptance comes in bursts when the drafter copies (an n-gram drafter inside a quoted
+passage accepts everything, outside it almost nothing), which one decayed α averages
+away. So α is also kept per state of a two-state Markov chain, "the last round accepted
+every draft" or "it rejected one", each state's estimate shrunk towards the pooled α
+(`prior_weight` pseudo-trials of it) so that a rarely visited state borrows strength; the
+next γ uses the current state's α. With independent acceptance both states estimate the
+same α and nothing changes; with bursts the controller runs long rounds inside a copy
+and short ones outside it.
 """
 
 from __future__ import annotations
@@ -36,8 +45,12 @@ class AdaptiveGamma:
     decay: float = 0.8  # weight of the past in each estimate; lower reacts faster
     prior_alpha: float = 0.8
     prior_weight: float = 2.0  # pseudo-trials behind the prior
+    markov: bool = True  # condition α on whether the last round accepted every draft
     _successes: float = 0.0
     _trials: float = 0.0
+    # per state (0: the last round rejected a draft, 1: it accepted all): decayed [successes, trials]
+    _by_state: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0], [0.0, 0.0]])
+    _state: int = 1
     _c_draft: float | None = None  # seconds per drafted token
     # decayed sums over rounds of 1, γ, γ², t, γ·t (t = verify seconds): a least-squares fit of t = a + b·γ
     _v: list[float] = field(default_factory=lambda: [0.0] * 5)
@@ -49,8 +62,17 @@ class AdaptiveGamma:
         self._trials = self.prior_weight
 
     @property
-    def alpha(self) -> float:
+    def pooled_alpha(self) -> float:
         return self._successes / self._trials if self._trials else self.prior_alpha
+
+    @property
+    def alpha(self) -> float:
+        """The acceptance expected in the next round (the current state's, with `markov`)."""
+        pooled = self.pooled_alpha
+        if not self.markov:
+            return pooled
+        successes, trials = self._by_state[self._state]
+        return (successes + self.prior_weight * pooled) / (trials + self.prior_weight)
 
     def update(self, proposed: int, accepted: int, draft_s: float, verify_s: float) -> None:
         """Record one round: `accepted` of `proposed` drafts, and its measured costs."""
@@ -59,6 +81,10 @@ class AdaptiveGamma:
         failures = 1 if accepted < proposed else 0
         self._successes = self.decay * self._successes + accepted
         self._trials = self.decay * self._trials + accepted + failures
+        counts = self._by_state[self._state]
+        counts[0] = self.decay * counts[0] + accepted
+        counts[1] = self.decay * counts[1] + accepted + failures
+        self._state = 1 - failures
         per_token = draft_s / proposed
         self._c_draft = per_token if self._c_draft is None else self.decay * self._c_draft + (1 - self.decay) * per_token
         g = float(proposed)

@@ -69,3 +69,72 @@ def test_controller_fits_a_verify_cost_that_grows_with_gamma():
     flat = max(range(1, 9), key=lambda g: expected_tokens(est, g) / (0.005 * g + 0.05 + 0.02 * 4.5))
     assert ctl.next_gamma() == best
     assert best < flat  # the fit matters here
+
+
+def _acceptance_world(seed: int, n: int, bursty: bool, alpha: float = 0.8) -> list[bool]:
+    """Whether a draft at each output position would be accepted. Bursty: a hidden regime,
+    copy (α 0.97, runs of ~30 tokens) or novel (α 0.1, runs of ~20), as an n-gram drafter sees."""
+    rng = random.Random(seed)
+    copy, world = False, []
+    for _ in range(n):
+        if bursty:
+            if rng.random() < (1 / 30 if copy else 1 / 20):
+                copy = not copy
+            world.append(rng.random() < (0.97 if copy else 0.1))
+        else:
+            world.append(rng.random() < alpha)
+    return world
+
+
+def _tokens_per_s(world: list[bool], choose, update, c_draft: float = 0.001, a: float = 0.05,
+                  b: float = 0.004) -> float:
+    """Rounds over a fixed world (common random numbers: every controller faces the same
+    acceptances), costing γ·c_draft + a + b·γ each."""
+    pos, seconds = 0, 0.0
+    while pos < len(world) - 16:
+        g = choose()
+        k = 0
+        while k < g and world[pos + k]:
+            k += 1
+        pos += k + 1
+        seconds += g * c_draft + a + b * g
+        update(g, k, g * c_draft, a + b * g)
+    return pos / seconds
+
+
+def _compare(world: list[bool]) -> tuple[float, float, float]:
+    """(markov, pooled, best fixed γ in 1..8) tokens/s."""
+    rates = []
+    for markov in (True, False):
+        ctl = AdaptiveGamma(gamma_min=1, gamma_max=8, markov=markov)
+        rates.append(_tokens_per_s(world, ctl.next_gamma, ctl.update))
+    best_fixed = max(_tokens_per_s(world, lambda g=g: g, lambda *_: None) for g in range(1, 9))
+    return rates[0], rates[1], best_fixed
+
+
+def test_markov_controller_exploits_bursty_acceptance():
+    """Copy bursts (an n-gram drafter): conditioning α on the last round's outcome runs long
+    rounds inside a burst and short ones outside, beating one pooled α and every fixed γ."""
+    for seed in range(3):
+        markov, pooled, best_fixed = _compare(_acceptance_world(seed, 5000, bursty=True))
+        assert markov > 1.02 * pooled, (seed, markov, pooled)
+        assert markov > 1.08 * best_fixed, (seed, markov, best_fixed)
+    ctl = AdaptiveGamma(gamma_min=1, gamma_max=8, decay=0.9)
+    for _ in range(10):  # bursts: a full round is mostly followed by full rounds, a rejection by rejections
+        for _ in range(4):
+            ctl.update(8, 8, 0.008, 0.08)
+        ctl.update(8, 0, 0.008, 0.08)
+        for _ in range(4):
+            ctl.update(1, 0, 0.001, 0.05)
+        ctl.update(1, 1, 0.001, 0.05)
+    ctl.update(8, 0, 0.008, 0.08)
+    assert ctl.next_gamma() <= 2  # after a rejection
+    ctl.update(1, 1, 0.001, 0.05)
+    assert ctl.next_gamma() >= 6  # after a full acceptance
+
+
+def test_markov_controller_costs_nothing_under_independent_acceptance():
+    for alpha in (0.3, 0.6, 0.8, 0.95):
+        markov, pooled, best_fixed = _compare(_acceptance_world(1, 5000, bursty=False, alpha=alpha))
+        assert markov >= 0.99 * pooled, (alpha, markov, pooled)
+        assert markov >= 0.95 * best_fixed, (alpha, markov, best_fixed)

@@ -325,7 +325,7 @@ def test_bench_compare_runs_every_variant_against_its_target_only(verifier_proc,
     base = WorkloadConfig(verifier=verifier_proc.address, drafter=drafter_proc.address, num_prompts=2,
                           max_concurrency=1, params=SamplingParams(temperature=0, max_tokens=12),
                           warmup_requests=0, show_progress=False)
-    result = run_compare(base, ["gamma=3", "gamma=3,fanout=2", "gamma=auto"])
+    result = run_compare(base, ["gamma=3", "gamma=3,fanout=2", "gamma=auto"], repeats=2)
     names = [v["variant"] for v in result["variants"]]
     assert names == ["target-only", "gamma=3", "gamma=3,fanout=2", "gamma=auto"]
     outputs = {v["variant"]: [r["output_tokens"] for r in v["per_request"]] for v in result["variants"]}
@@ -335,4 +335,7 @@ def test_bench_compare_runs_every_variant_against_its_target_only(verifier_proc,
     cached = result["variants"][2]
     assert cached["fanout"] == 2 and cached["speculation_cache_hit_rate"] is not None
     assert result["variants"][1]["speculation_cache_hit_rate"] == 0
-    assert "gamma=auto" in format_compare(result)
+    for v in result["variants"][1:]:  # both repeats, each against its own target-only
+        assert len(v["repeat_speedups"]) == 2 and all(x > 0 for x in v["repeat_speedups"])
+        assert min(v["repeat_speedups"]) <= v["measured_speedup"] <= max(v["repeat_speedups"])
+    assert "gamma=auto" in format_compare(result) and "2 repeats" in format_compare(result)

@@ -111,6 +111,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--variants", nargs="+", required=True, metavar="VARIANT",
                    help="'target-only' or 'gamma=G[,fanout=F]' (G an integer or auto), run in this order; "
                         "target-only is added first when missing")
+    c.add_argument("--repeats", type=_positive("--repeats"), default=1,
+                   help="run the variant list this many times in rotated order; report each variant's median repeat")
 
     w = sub.add_parser("sweep", help="serve at several concurrencies or rates, speculative and target-only")
     _add_workload_args(w)
@@ -203,7 +205,7 @@ def _compare(args: argparse.Namespace) -> int:
         parse_variant(v)  # refuse a bad variant before any run
     if not args.drafter:
         raise ValueError("--drafter is required (the variants run speculative decoding)")
-    result = run_compare(_workload(args, False), args.variants)
+    result = run_compare(_workload(args, False), args.variants, repeats=args.repeats)
     print(format_compare(result))
     if args.result_json:
         serve.write_json(result, args.result_json)

@@ -6,6 +6,12 @@ and every speculative variant is compared with the target-only one of the same r
 (measured speedup, ideal speedup from its own α, γ and costs, system efficiency), plus
 the share of its drafts that the speculation cache had ready. This is how the closing
 notes compare the speculation cache on / off and adaptive against fixed γ.
+
+Rows a few percent apart are within one run's noise on a busy machine, so `--repeats R`
+runs the whole list R times, rotating its order each time (a variant is not always the
+one that runs first, or right after the same neighbour), compares each repeat with its
+own target-only, and reports per variant its median repeat (by speedup) and the range of
+its speedups.
 """
 
 from __future__ import annotations
@@ -45,19 +51,25 @@ def parse_variant(text: str) -> dict:
     return changes
 
 
-def run_compare(base: WorkloadConfig, variants: list[str]) -> dict:
+def run_compare(base: WorkloadConfig, variants: list[str], repeats: int = 1) -> dict:
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     parsed = [(v, parse_variant(v)) for v in variants]
     if not any(c["target_only"] for _, c in parsed):
         parsed.insert(0, (TARGET_ONLY, {"target_only": True}))  # the baseline is always measured
-    rows = []
+    runs: dict[str, list[dict]] = {name: [] for name, _ in parsed}
     with SpeculativeClient(base.verifier, drafter=base.drafter, timeout_s=_call_timeout(base),
                            recovery_timeout_s=_call_timeout(base)) as client:
-        for name, changes in parsed:
-            rows.append((name, run_serve(base.replace(**changes), client)))
-    baseline = next(r for name, r in rows if r["mode"] == "target-only")
-    for _, result in rows:
-        if result["mode"] != "target-only":
-            add_efficiency(result, baseline)
+        for rep in range(repeats):
+            shift = rep % len(parsed)
+            this = {name: run_serve(base.replace(**changes), client)
+                    for name, changes in parsed[shift:] + parsed[:shift]}
+            baseline = next(r for r in this.values() if r["mode"] == "target-only")
+            for name, result in this.items():
+                if result["mode"] != "target-only":
+                    add_efficiency(result, baseline)
+                runs[name].append(result)
+    rows = [(name, _median_repeat(runs[name])) for name, _ in parsed]
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "backend": "specdec",
@@ -65,8 +77,20 @@ def run_compare(base: WorkloadConfig, variants: list[str]) -> dict:
         "drafter": base.drafter,
         "dataset": base.dataset,
         "num_prompts": base.num_prompts,
+        "repeats": repeats,
         "variants": [{"variant": name, **result} for name, result in rows],
     }
+
+
+def _median_repeat(results: list[dict]) -> dict:
+    """The repeat with the median speedup (tokens/s per request for target-only), plus every
+    repeat's speedup, so a table row is one consistent run and its spread is visible."""
+    key = "output_tokens_per_request_s" if results[0]["mode"] == "target-only" else "measured_speedup"
+    ranked = sorted(results, key=lambda r: r.get(key) or 0.0)
+    row = dict(ranked[(len(ranked) - 1) // 2])
+    if len(results) > 1:
+        row["repeat_speedups"] = [r.get("measured_speedup") for r in results]
+    return row
 
 
 def format_compare(result: dict) -> str:
@@ -81,7 +105,12 @@ def format_compare(result: dict) -> str:
             f"{_fmt(r.get('speculation_cache_hit_rate') if r.get('fanout') else None):>7}"
             f"{_fmt(r.get('measured_speedup')):>9}{_fmt(r.get('ideal_speedup')):>7}"
             f"{_fmt(r.get('system_efficiency'), 3):>8}"
+            + (f"  (speedups {min(speedups):.2f}-{max(speedups):.2f})"
+               if (speedups := [x for x in r.get("repeat_speedups", []) if x is not None]) else "")
         )
     lines.append("tok/s/req: output tokens per second of a request's own life (the speedup basis); "
                  "cache: share of drafts the speculation cache had ready")
+    if result.get("repeats", 1) > 1:
+        lines.append(f"{result['repeats']} repeats in rotated order: each row is the repeat with the median speedup "
+                     "(against the target-only of the same repeat)")
     return "\n".join(lines)
