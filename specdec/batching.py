@@ -140,4 +140,8 @@ class BatchScheduler:
             for item in batch:  # a run_batch bug must not leave a caller waiting forever
                 if not item.future.done():
                     item.future.set_exception(RuntimeError("the engine did not settle this request"))
+            # Drop this batch's references before blocking for the next one: a request holds
+            # its session, hence its KV slot, and a slot pool gets it back only when the
+            # last reference goes.
+            del first, batch, item
 

@@ -64,6 +64,9 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
                         "drafter on CPU, at some acceptance)")
     p.add_argument("--quantize", default=None, choices=["int8"],
                    help="dynamic int8 quantization of the decoder layers (CPU; a low-acceptance drafter)")
+    p.add_argument("--fast-path", default="auto", choices=["auto", "on", "off"],
+                   help="static KV slot pool + bucketed static-shape forward, replayed as CUDA graphs on CUDA "
+                        "(auto: on for CUDA, off for CPU, where it runs eagerly)")
     if role == "drafter":
         p.add_argument("--backend", default="model", choices=["model", "ngram"],
                        help="model: draft with --model's weights; ngram: prompt lookup, no weights (--model gives only "
@@ -159,7 +162,7 @@ def _serve(args: argparse.Namespace, role: str) -> int:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     spec = ModelSpec(model=args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device,
                      quantize=args.quantize, max_model_len=args.max_model_len, cpu_linear=args.cpu_linear,
-                     prefill_dtype=args.prefill_dtype)
+                     prefill_dtype=args.prefill_dtype, fast_path=args.fast_path)
     config = EngineConfig(max_draft_tokens=args.max_draft_tokens, max_sessions=args.max_sessions,
                           session_ttl_s=args.session_ttl_s, kv_budget_mb=args.kv_budget_mb,
                           max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
@@ -288,6 +291,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--temperature", type=float, default=0.0)
     d.add_argument("--seed", type=int, default=0)
 
+    r = sub.add_parser("random-model", help="write a random-weight Llama of a bench-engine preset as a model "
+                                            "directory (GPU end-to-end runs without weights)")
+    r.add_argument("--preset", required=True, help="target-1.5b, drafter-270m, smollm2-135m or tiny")
+    r.add_argument("--out", required=True, help="directory to write (config, safetensors, tokenizer)")
+    r.add_argument("--tokenizer", default="embedded", help="model whose tokenizer (and vocabulary size) to use")
+    r.add_argument("--seed", type=int, default=0, help="same preset and seed: same weights (a copy drafter)")
+    r.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    r.add_argument("--device", default="cpu", help="where to initialize (cuda: seconds for 1.5B)")
+
     from client.bench.cli import add_bench_parser  # lazy: the client side imports grpc, the core does not
 
     add_bench_parser(sub)
@@ -310,6 +322,15 @@ def main(argv: list[str] | None = None) -> int:
             from client.demo import run_demo
 
             return run_demo(args)
+        if args.command == "random-model":
+            import torch
+
+            from specdec.bench_engine import save_random_model
+
+            n = save_random_model(args.preset, args.out, args.tokenizer, args.seed, getattr(torch, args.dtype),
+                                  args.device)
+            print(f"wrote {args.preset} ({n / 1e6:.0f}M parameters, random, seed {args.seed}) to {args.out}")
+            return 0
         if args.command == "bench":
             from client.bench.cli import run_bench
 

@@ -27,8 +27,10 @@ from typing import Any
 
 import torch
 
-from specdec.slot_forward import KVSlot, Row, SlotForward
+from specdec.slot_forward import SUPPORTED_MODEL_TYPES as SUPPORTED_SLOT_TYPES
+from specdec.slot_forward import KVSlot, Row, SlotForward, SlotPool
 from specdec.slot_forward import supports as slot_supported
+from specdec.static_forward import StaticForward, static_supported
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class ModelSpec:
     max_model_len: int | None = None  # KV positions per session (vLLM's name); default min(config, 2048)
     cpu_linear: str = "mkl"  # "onednn": prepacked oneDNN float32 linears (CPU; see OneDNNLinear)
     prefill_dtype: str = "none"  # dtype of a second weight copy for rows of >= 3 tokens; see CausalLM
+    fast_path: str = "auto"  # static slot pool + CUDA graphs (static_forward.py): auto = on for CUDA, on, off
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -74,6 +77,11 @@ class ModelSpec:
             raise ValueError("--cpu-linear onednn applies to float32 models on the CPU without --quantize")
         if self.prefill_dtype not in ("none", *DTYPES):
             raise ValueError(f"--prefill-dtype must be none or one of {', '.join(DTYPES)}, got {self.prefill_dtype!r}")
+        if self.fast_path not in ("auto", "on", "off"):
+            raise ValueError(f"--fast-path must be auto, on or off, got {self.fast_path!r}")
+        if self.fast_path == "on" and self.quantize:
+            raise ValueError("--fast-path on batches rows of many sessions, which --quantize int8 must not "
+                             "(its activation scales span the batch)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
 
@@ -285,6 +293,31 @@ class CausalLM:
         self.prefill_slots = self._prefill_forward(spec)
         self.tokenizer = load_tokenizer(spec)
         self.tokenizer_fingerprint = tokenizer_fingerprint(self.tokenizer)
+        self.fast_path = self._fast_path_wanted(spec)
+        self.pool: SlotPool | None = None
+        self.static: StaticForward | None = None
+
+    def _fast_path_wanted(self, spec: ModelSpec) -> bool:
+        usable = self.slots is not None and static_supported(self.model) and not spec.quantize
+        if spec.fast_path == "on" and not usable:
+            raise ValueError(f"--fast-path on needs a llama-family model ({', '.join(SUPPORTED_SLOT_TYPES)}) with "
+                             "static rotary scaling and no --quantize")
+        return usable and (spec.fast_path == "on" or (spec.fast_path == "auto" and self.device.type == "cuda"))
+
+    def configure_pool(self, num_slots: int) -> None:
+        """With the fast path: preallocate `num_slots` KV slots in one pool (every session
+        and speculation branch takes one; see static_forward.py). A no-op without it."""
+        if not self.fast_path or self.pool is not None:
+            return
+        try:
+            self.pool = self.slots.new_pool(num_slots)
+        except (RuntimeError, MemoryError) as exc:  # CUDA out of memory is a RuntimeError subclass
+            need = (num_slots + 1) * self.slots.new_slot_bytes()
+            raise MemoryError(f"the KV slot pool ({num_slots} slots + scratch, {need / 2**30:.1f} GiB) does not fit; "
+                              "lower --max-sessions or --max-model-len") from exc
+        self.static = StaticForward(self.slots, self.pool)
+        log.info("fast path: %d KV slots of %d positions (%.1f GiB), CUDA graphs %s", num_slots, self.max_context,
+                 self.pool.data.numel() * self.pool.data.element_size() / 2**30, "on" if self.static.graphs else "off")
 
     def _prefill_forward(self, spec: ModelSpec) -> SlotForward | None:
         """A second copy of the weights for rows of >= PREFILL_MIN_TOKENS tokens, or None.
@@ -308,6 +341,8 @@ class CausalLM:
         return SlotForward(twin, self.max_context)
 
     def new_cache(self) -> KVSlot | Any:
+        if self.pool is not None:
+            return self.pool.acquire()
         if self.slots is not None:
             return self.slots.new_slot()
         from transformers import DynamicCache
@@ -340,6 +375,12 @@ class CausalLM:
         the logits [keep, V] float32 of its last `keep` positions."""
         if self.slots is None or not all(isinstance(r.slot, KVSlot) for r in rows):
             return [self._dynamic_forward(r.token_ids, r.slot, r.keep) for r in rows]
+        if self.static is not None:
+            return self.static.forward(rows, eager=self._slot_rows)
+        return self._slot_rows(rows)
+
+    def _slot_rows(self, rows: list[Row]) -> list[torch.Tensor]:
+        """The eager slot forward (per-row attention), with the prefill twin if any."""
         groups = [(self.slots, [i for i, r in enumerate(rows)
                                 if self.prefill_slots is None or len(r.token_ids) < PREFILL_MIN_TOKENS])]
         if self.prefill_slots is not None:
@@ -408,6 +449,9 @@ class TokenOnlyLM:
     @staticmethod
     def new_cache() -> None:
         return None
+
+    def configure_pool(self, num_slots: int) -> None:
+        pass  # no KV: nothing to preallocate
 
     @staticmethod
     def crop(cache: None, length: int) -> None:

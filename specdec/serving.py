@@ -83,6 +83,9 @@ class ServingModel:
         self.spec = spec
         self.config = config
         self.lm = lm or CausalLM(spec)
+        # Every session and speculation branch holds a slot; +1: a session is admitted before
+        # the least recently used one is evicted to make room.
+        self.lm.configure_pool(config.max_sessions + config.speculation_slots + 1)
         self.sessions = SessionStore(
             self.lm.new_cache, self.lm.crop, max_sessions=config.max_sessions, ttl_s=config.session_ttl_s,
             kv_budget_bytes=None if config.kv_budget_mb is None else int(config.kv_budget_mb * 2**20),

@@ -15,21 +15,28 @@ weights and dominates decode cost. Attention runs per row against that row's slo
 
 from __future__ import annotations
 
+import collections
 import math
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from specdec.errors import ResourceExhausted
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-@dataclass
+@dataclass(eq=False)
 class KVSlot:
-    """Static KV storage of one session: data [L, 2, H_kv, max_len, D]; `length` valid positions."""
+    """Static KV storage of one session: data [L, 2, H_kv, max_len, D]; `length` valid positions.
+    `index` is its row in a SlotPool (None for a slot allocated on its own)."""
 
     data: torch.Tensor
     length: int = 0
+    index: int | None = None
 
     @property
     def max_len(self) -> int:
@@ -38,6 +45,52 @@ class KVSlot:
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+
+class SlotPool:
+    """Every KV slot of a model in one preallocated tensor [S + 1, L, 2, H_kv, max_len, D].
+
+    What the static (CUDA-graph) forward needs: a batch names its rows' slots by index
+    into one tensor, so a captured graph reads any session's cache without new pointers.
+    Row S is scratch: padded rows and padded tokens of a static batch write there, never
+    into a session's slot. A slot returns to the free list when its last reference dies
+    (weakref.finalize), not by an explicit call: a slot moves between a session and the
+    drafter's speculation branches, and whoever drops it last is the only one who knows
+    it is free, so it cannot be handed out while a branch or a request still holds it.
+    """
+
+    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        if num_slots < 1:
+            raise ValueError(f"a slot pool needs >= 1 slot, got {num_slots}")
+        self.num_slots = num_slots
+        self.data = torch.zeros((num_slots + 1, num_layers, 2, num_kv_heads, max_len, head_dim),
+                                dtype=dtype, device=device)
+        self._free = collections.deque(range(num_slots))
+        self._lock = threading.Lock()
+
+    @property
+    def scratch(self) -> int:
+        return self.num_slots
+
+    @property
+    def free_slots(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def acquire(self) -> KVSlot:
+        with self._lock:
+            if not self._free:
+                raise ResourceExhausted(f"all {self.num_slots} KV slots of the pool are in use; raise --max-sessions "
+                                        "(the pool holds max sessions + speculation slots + 1)")
+            index = self._free.popleft()
+        slot = KVSlot(self.data[index], index=index)
+        weakref.finalize(slot, self._release, index)
+        return slot
+
+    def _release(self, index: int) -> None:
+        with self._lock:
+            self._free.append(index)
 
 
 def copy_prefix(dst: KVSlot, src: KVSlot, length: int) -> None:
@@ -56,6 +109,14 @@ class Row:
     keep: int = 1
 
 
+def check_rows(rows: list[Row]) -> None:
+    for r in rows:
+        if not r.token_ids or not 1 <= r.keep <= len(r.token_ids):
+            raise ValueError("each row appends >= 1 token and keeps 1..len(token_ids) logits")
+        if r.slot.length + len(r.token_ids) > r.slot.max_len:
+            raise ValueError(f"row needs {r.slot.length + len(r.token_ids)} positions, the slot has {r.slot.max_len}")
+
+
 def supports(model) -> bool:
     cfg = model.config
     return (getattr(cfg, "model_type", None) in SUPPORTED_MODEL_TYPES
@@ -63,7 +124,7 @@ def supports(model) -> bool:
             and hasattr(model, "model") and hasattr(model.model, "rotary_emb"))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
@@ -85,6 +146,14 @@ class SlotForward:
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
 
+    def new_pool(self, num_slots: int) -> SlotPool:
+        return SlotPool(num_slots, self.num_layers, self.num_kv_heads, self.max_len, self.head_dim,
+                        self.dtype, self.device)
+
+    def new_slot_bytes(self) -> int:
+        return (self.num_layers * 2 * self.num_kv_heads * self.max_len * self.head_dim
+                * torch.empty((), dtype=self.dtype).element_size())
+
     def new_slot(self) -> KVSlot:
         # torch.empty: pages are only committed when written, so an idle slot costs address
         # space, not resident memory; freeing the session returns it.
@@ -94,11 +163,7 @@ class SlotForward:
     @torch.inference_mode()
     def forward(self, rows: list[Row]) -> torch.Tensor:
         """Append each row's tokens to its slot; logits [sum keep_b, V] float32, rows in order."""
-        for r in rows:
-            if not r.token_ids or not 1 <= r.keep <= len(r.token_ids):
-                raise ValueError("each row appends >= 1 token and keeps 1..len(token_ids) logits")
-            if r.slot.length + len(r.token_ids) > r.slot.max_len:
-                raise ValueError(f"row needs {r.slot.length + len(r.token_ids)} positions, the slot has {r.slot.max_len}")
+        check_rows(rows)
         inner = self.model.model
         dev = self.device
         lengths = [len(r.token_ids) for r in rows]
@@ -120,8 +185,8 @@ class SlotForward:
             v = attn.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm before rotary
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
             out = torch.empty_like(q)  # [N, H, D]
             for b, r in enumerate(rows):
                 lo, hi, start = bounds[b], bounds[b + 1], starts[b]

@@ -1,4 +1,4 @@
-"""`specdec bench serve|compare|sweep|peer|verifier|sampler`: arguments, then a call into a module.
+"""`specdec bench serve|compare|sweep|peer|verifier|sampler|engine`: arguments, then a call into a module.
 
 Only argparse at module level: `specdec.cli` builds this parser for every command.
 """
@@ -148,6 +148,24 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--vocab-sizes", default=None, help="comma-separated (default: 49152 on CPU, 32000,151936 on CUDA)")
     m.add_argument("--repeat", type=_positive("--repeat"), default=20)
     m.add_argument("--json", default=None, help="also write the results to this path")
+
+    e = sub.add_parser("engine", help="ms per forward step: eager transformers vs the fast path, random weights "
+                                      "(no services)")
+    e.add_argument("--preset", action="append", required=True,
+                   help="random-weight Llama shape: target-1.5b, drafter-270m, smollm2-135m, tiny; repeat for several")
+    e.add_argument("--device", default="auto", help="cpu, cuda[:N], or auto (cuda when available)")
+    e.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="default bfloat16 on CUDA, float32 on CPU")
+    e.add_argument("--batch-sizes", default="1,16,64", help="comma-separated")
+    e.add_argument("--context", type=_positive("--context"), default=512,
+                   help="positions each session holds before the step")
+    e.add_argument("--width", type=_positive("--width"), default=None,
+                   help="tokens per row and step (default 5, a verify of gamma 4, for target-1.5b; else 1)")
+    e.add_argument("--steps", type=_positive("--steps"), default=20)
+    e.add_argument("--warmup", type=_positive("--warmup", zero=True), default=3)
+    e.add_argument("--peak-gbps", type=_positive("--peak-gbps", float), default=None,
+                   help="memory bandwidth for the limit (default: by GPU name)")
+    e.add_argument("--json", default=None, help="also write the rows to this path")
     return bench
 
 
@@ -253,7 +271,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from client.bench import verifier
-    from specdec import bench_sampler
+    from specdec import bench_engine, bench_sampler
 
-    commands = {"serve": _serve, "compare": _compare, "sweep": _sweep, "peer": _peer, "verifier": verifier.run, "sampler": bench_sampler.run}
+    commands = {"serve": _serve, "compare": _compare, "sweep": _sweep, "peer": _peer, "verifier": verifier.run,
+                "sampler": bench_sampler.run, "engine": bench_engine.run}
     return commands[args.bench_command](args)
