@@ -7,7 +7,8 @@ No weights can be carried to a GPU machine, so the models are built with `from_c
 sessions that already hold `context` positions (a verify of γ+1 tokens, or a decode of 1),
 then the caches are cut back, so every timed step sees the same lengths. The baseline is
 transformers' own forward with a DynamicCache (`cache.crop` back after each step); the fast
-path runs `StaticForward` over B pool slots. Both get the same token ids; the greedy
+path runs `StaticForward` over B pool slots; our eager slot forward (what the services run
+without the fast path) is measured too. Both get the same token ids; the greedy
 agreement of their logits is printed as the GPU check of "same greedy tokens".
 
 Bytes per step = the weights read by the step (the input embedding only for the rows it
@@ -103,6 +104,7 @@ class EngineRow:
     width: int
     context: int
     eager_ms: float
+    slot_ms: float  # our eager slot forward (per-row attention): the services' path without --fast-path
     fast_ms: float
     bytes_per_step: int
     limit_ms: float | None
@@ -160,6 +162,17 @@ def measure(model, preset: str, batch: int, context: int, width: int, steps: int
 
     slots = SlotForward(model, max_len=context + max(width, 32))
     fast = StaticForward(slots, slots.new_pool(batch))
+    plain = [slots.new_slot() for _ in range(batch)]
+    slots.forward([Row(slot, prompt[b].tolist(), keep=1) for b, slot in enumerate(plain)])
+    plain_rows = [Row(slot, step_ids[b].tolist(), keep=width) for b, slot in enumerate(plain)]
+
+    def slot_step() -> None:
+        for slot in plain:
+            slot.length = context
+        slots.forward(plain_rows)
+
+    slot_ms = _median_ms(slot_step, device, steps, warmup)
+    del plain, plain_rows
     sessions = [fast.pool.acquire() for _ in range(batch)]
     for b, slot in enumerate(sessions):  # prefill one row at a time: the pool is the only KV memory
         fast.forward([Row(slot, prompt[b].tolist(), keep=1)])
@@ -175,7 +188,8 @@ def measure(model, preset: str, batch: int, context: int, width: int, steps: int
     agreement = float((fast_logits.argmax(-1) == eager_logits.float().argmax(-1)).float().mean())
     diff = float((fast_logits - eager_logits.float()).abs().max())
     nbytes = step_bytes(model, batch, context, width)
-    return EngineRow(preset=preset, batch=batch, width=width, context=context, eager_ms=eager_ms, fast_ms=fast_ms,
+    return EngineRow(preset=preset, batch=batch, width=width, context=context, eager_ms=eager_ms, slot_ms=slot_ms,
+                     fast_ms=fast_ms,
                      bytes_per_step=nbytes, limit_ms=nbytes / (peak_gbps * 1e6) if peak_gbps else None,
                      greedy_agreement=agreement, max_logit_diff=diff)
 
@@ -189,17 +203,18 @@ def peak_bandwidth(device: torch.device, given: float | None) -> float | None:
 
 def format_rows(rows: list[EngineRow], graphs: bool) -> str:
     fast_name = "fast ms" + ("" if graphs else "*")
-    header = (f"{'preset':<14}{'B':>4}{'T':>3}{'eager ms':>10}{fast_name:>10}{'speedup':>9}{'MB/step':>9}"
+    header = (f"{'preset':<14}{'B':>4}{'T':>3}{'eager ms':>10}{'slots ms':>10}{fast_name:>10}{'speedup':>9}{'MB/step':>9}"
               f"{'limit ms':>10}{'fast/limit':>11}{'fast GB/s':>11}{'greedy=':>9}{'max|dlogit|':>12}")
     lines = [header, "-" * len(header)]
     for r in rows:
         ratio = f"{r.fast_ms / r.limit_ms:.1f}x" if r.limit_ms else "-"
         limit = f"{r.limit_ms:.3f}" if r.limit_ms else "-"
-        lines.append(f"{r.preset:<14}{r.batch:>4}{r.width:>3}{r.eager_ms:>10.2f}{r.fast_ms:>10.2f}{r.speedup:>8.2f}x"
+        lines.append(f"{r.preset:<14}{r.batch:>4}{r.width:>3}{r.eager_ms:>10.2f}{r.slot_ms:>10.2f}{r.fast_ms:>10.2f}{r.speedup:>8.2f}x"
                      f"{r.bytes_per_step / 1e6:>9.0f}{limit:>10}{ratio:>11}{r.gbps(r.fast_ms):>11.1f}"
                      f"{r.greedy_agreement:>9.3f}{r.max_logit_diff:>12.2e}")
-    lines.append("T: tokens per row and step (verify γ+1 or decode 1); limit: bytes / peak bandwidth; greedy=: share "
-                 "of positions whose argmax matches eager transformers")
+    lines.append("T: tokens per row and step (verify γ+1 or decode 1); eager: transformers with a DynamicCache; "
+                 "slots: our eager slot forward (the path without --fast-path); speedup: eager / fast; limit: bytes / "
+                 "peak bandwidth; greedy=: share of positions whose argmax matches eager transformers")
     if not graphs:
         lines.append("* no CUDA: the fast path's static step runs eagerly (no graphs); its figures are not the GPU's")
     return "\n".join(lines)
@@ -227,7 +242,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{preset}: {params / 1e6:.0f}M parameters, {params * next(model.parameters()).element_size() / 1e9:.2f} GB")
         for batch in batches:
             rows.append(measure(model, preset, batch, args.context, width, args.steps, args.warmup, peak))
-            print(f"  B={batch}: eager {rows[-1].eager_ms:.2f} ms, fast {rows[-1].fast_ms:.2f} ms", flush=True)
+            r = rows[-1]
+            print(f"  B={batch}: eager {r.eager_ms:.2f} ms, slots {r.slot_ms:.2f} ms, fast {r.fast_ms:.2f} ms", flush=True)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -62,14 +62,21 @@ def static_supported(model) -> bool:
 
 @dataclass
 class _Bucket:
-    """Static buffers of one (B, T, C) shape, and its CUDA graph once captured."""
+    """Static buffers of one (B, T, C) shape, and its CUDA graph once captured. The inputs
+    are views of one int64 tensor [B·T + 3B], so a step's inputs cross to the device in
+    one copy."""
 
-    ids: torch.Tensor  # [B, T] long
-    slot: torch.Tensor  # [B] long
-    start: torch.Tensor  # [B] long
-    nreal: torch.Tensor  # [B] long
+    inputs: torch.Tensor  # [B·T + 3B] long: ids, slot, start, nreal
+    B: int
+    T: int
     logits: torch.Tensor | None = None  # [B, T, V]: the last step's (on CUDA: a view of the shared output)
     graph: object | None = None  # torch.cuda.CUDAGraph
+
+    def views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids [B, T], slot [B], start [B], nreal [B])."""
+        B, T = self.B, self.T
+        ids, slot, start, nreal = torch.split(self.inputs, [B * T, B, B, B])
+        return ids.view(B, T), slot, start, nreal
 
 
 class StaticForward:
@@ -142,33 +149,28 @@ class StaticForward:
         T = _bucket(max(len(r.token_ids) for r in rows), WIDTH_BUCKETS)
         C = self.context_bucket(max(r.slot.length + len(r.token_ids) for r in rows))
         bucket = self._bucket_for(B, T, C)
-        # One host-to-device copy per input buffer: build each on the host, then copy_.
-        ids = torch.zeros(B, T, dtype=torch.long)
-        slot = torch.full((B,), self.pool.scratch, dtype=torch.long)
-        start = torch.zeros(B, dtype=torch.long)
-        nreal = torch.zeros(B, dtype=torch.long)
+        host = [0] * (B * T) + [self.pool.scratch] * B + [0] * (2 * B)  # padding: scratch slot, 0 tokens
         for b, r in enumerate(rows):
-            ids[b, : len(r.token_ids)] = torch.tensor(r.token_ids, dtype=torch.long)
-            slot[b], start[b], nreal[b] = r.slot.index, r.slot.length, len(r.token_ids)
-        for dst, src in ((bucket.ids, ids), (bucket.slot, slot), (bucket.start, start), (bucket.nreal, nreal)):
-            dst.copy_(src, non_blocking=True)
+            n = len(r.token_ids)
+            host[b * T : b * T + n] = r.token_ids
+            host[B * T + b], host[B * T + B + b], host[B * T + 2 * B + b] = r.slot.index, r.slot.length, n
+        bucket.inputs.copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
         if bucket.graph is not None:
             bucket.graph.replay()
         else:
-            bucket.logits = self._step(bucket.ids, bucket.slot, bucket.start, bucket.nreal, C)
+            bucket.logits = self._step(*bucket.views(), C)
         for r in rows:
             r.slot.length += len(r.token_ids)
-        return [bucket.logits[b, len(r.token_ids) - r.keep : len(r.token_ids)].float() for b, r in enumerate(rows)]
+        logits = bucket.logits[: len(rows)].float()  # [rows, T, V]: one conversion, then views per row
+        return [logits[b, len(r.token_ids) - r.keep : len(r.token_ids)] for b, r in enumerate(rows)]
 
     def _bucket_for(self, B: int, T: int, C: int) -> _Bucket:
         key = (B, T, C)
         bucket = self._buckets.get(key)
         if bucket is None:
-            dev = self.device
-            bucket = _Bucket(ids=torch.zeros(B, T, dtype=torch.long, device=dev),
-                             slot=torch.full((B,), self.pool.scratch, dtype=torch.long, device=dev),
-                             start=torch.zeros(B, dtype=torch.long, device=dev),
-                             nreal=torch.zeros(B, dtype=torch.long, device=dev))
+            inputs = torch.zeros(B * T + 3 * B, dtype=torch.long, device=self.device)
+            inputs[B * T : B * T + B] = self.pool.scratch  # an all-padding batch until the first copy
+            bucket = _Bucket(inputs=inputs, B=B, T=T)
             if self.graphs:
                 self._capture(bucket, C)
             self._buckets[key] = bucket
@@ -178,8 +180,8 @@ class StaticForward:
         """Record one step of this bucket as a CUDA graph. The buffers hold an all-padding
         batch (every row the scratch slot, 0 real tokens), so the warm-up runs, which do
         execute, write only the scratch row."""
-        args = (bucket.ids, bucket.slot, bucket.start, bucket.nreal, C)
-        B, T = bucket.ids.shape
+        args = (*bucket.views(), C)
+        B, T = bucket.B, bucket.T
         vocab = self.model.lm_head.out_features
         if self._graph_out is None:
             self._graph_out = torch.empty(self.batch_buckets[-1] * self.max_width * vocab, dtype=self.slots.dtype,
@@ -195,7 +197,7 @@ class StaticForward:
         with torch.cuda.graph(graph, pool=self._graph_pool):
             out.copy_(self._step(*args))
         bucket.logits, bucket.graph = out, graph
-        log.info("captured CUDA graph B=%d T=%d C=%d", *bucket.ids.shape, C)
+        log.info("captured CUDA graph B=%d T=%d C=%d", B, T, C)
 
     def _step(self, ids: torch.Tensor, slot: torch.Tensor, start: torch.Tensor, nreal: torch.Tensor,
               C: int) -> torch.Tensor:

@@ -147,8 +147,8 @@ def test_bench_engine_prints_eager_and_fast_rows():
     rows = [line.split() for line in out.stdout.splitlines() if line.startswith("tiny ")]
     assert [(r[1], r[2]) for r in rows] == [("1", "3"), ("3", "3")]
     for r in rows:
-        assert float(r[3]) > 0 and float(r[4]) > 0
-        assert float(r[10]) == 1.0  # greedy agreement with eager transformers (float32)
+        assert float(r[3]) > 0 and float(r[4]) > 0 and float(r[5]) > 0
+        assert float(r[11]) == 1.0  # greedy agreement with eager transformers (float32)
     assert "not the GPU's" in out.stdout  # no CUDA here: says its figures are eager CPU ones
 
 
