@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from specdec.slot_forward import Row, SlotForward
-from specdec.static_forward import StaticForward
+from specdec.static_forward import WIDTH_BUCKETS, StaticForward
 
 _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False)
 PRESETS: dict[str, dict] = {
@@ -149,7 +149,7 @@ def measure(model, preset: str, batch: int, context: int, width: int, steps: int
     step_ids = torch.randint(vocab, (batch, width), generator=gen)  # [B, width]
 
     cache = DynamicCache(config=model.config)
-    model(prompt.to(device), past_key_values=cache, use_cache=True)
+    model(prompt.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
     eager_logits = model(step_ids.to(device), past_key_values=cache, use_cache=True).logits  # [B, width, V]
     cache.crop(-width)
 
@@ -161,7 +161,7 @@ def measure(model, preset: str, batch: int, context: int, width: int, steps: int
     del cache
 
     slots = SlotForward(model, max_len=context + max(width, 32))
-    fast = StaticForward(slots, slots.new_pool(batch))
+    fast = StaticForward(slots, slots.new_pool(batch), max_batch=batch, max_width=width)
     plain = [slots.new_slot() for _ in range(batch)]
     slots.forward([Row(slot, prompt[b].tolist(), keep=1) for b, slot in enumerate(plain)])
     plain_rows = [Row(slot, step_ids[b].tolist(), keep=width) for b, slot in enumerate(plain)]
@@ -222,6 +222,9 @@ def format_rows(rows: list[EngineRow], graphs: bool) -> str:
 
 def run(args: argparse.Namespace) -> int:
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    if args.width is not None and args.width > WIDTH_BUCKETS[-1]:
+        raise ValueError(f"--width must be <= {WIDTH_BUCKETS[-1]}: wider rows are prefills, which the fast path "
+                         "runs eagerly")
     unknown = [p for p in args.preset if p not in PRESETS]
     if unknown:
         raise ValueError(f"unknown preset {unknown[0]!r}; choose from {', '.join(PRESETS)}")

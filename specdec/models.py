@@ -304,9 +304,10 @@ class CausalLM:
                              "static rotary scaling and no --quantize")
         return usable and (spec.fast_path == "on" or (spec.fast_path == "auto" and self.device.type == "cuda"))
 
-    def configure_pool(self, num_slots: int) -> None:
+    def configure_pool(self, num_slots: int, max_batch: int = 32, max_width: int = 32) -> None:
         """With the fast path: preallocate `num_slots` KV slots in one pool (every session
-        and speculation branch takes one; see static_forward.py). A no-op without it."""
+        and speculation branch takes one; see static_forward.py). Static steps take up to
+        `max_batch` rows of up to `max_width` tokens. A no-op without the fast path."""
         if not self.fast_path or self.pool is not None:
             return
         try:
@@ -315,7 +316,7 @@ class CausalLM:
             need = (num_slots + 1) * self.slots.new_slot_bytes()
             raise MemoryError(f"the KV slot pool ({num_slots} slots + scratch, {need / 2**30:.1f} GiB) does not fit; "
                               "lower --max-sessions or --max-model-len") from exc
-        self.static = StaticForward(self.slots, self.pool)
+        self.static = StaticForward(self.slots, self.pool, max_batch=max_batch, max_width=min(max_width, 32))
         log.info("fast path: %d KV slots of %d positions (%.1f GiB), CUDA graphs %s", num_slots, self.max_context,
                  self.pool.data.numel() * self.pool.data.element_size() / 2**30, "on" if self.static.graphs else "off")
 
@@ -450,7 +451,7 @@ class TokenOnlyLM:
     def new_cache() -> None:
         return None
 
-    def configure_pool(self, num_slots: int) -> None:
+    def configure_pool(self, num_slots: int, max_batch: int = 32, max_width: int = 32) -> None:
         pass  # no KV: nothing to preallocate
 
     @staticmethod

@@ -85,7 +85,9 @@ class ServingModel:
         self.lm = lm or CausalLM(spec)
         # Every session and speculation branch holds a slot; +1: a session is admitted before
         # the least recently used one is evicted to make room.
-        self.lm.configure_pool(config.max_sessions + config.speculation_slots + 1)
+        # Steps are as wide as a verify of the longest draft plus a catch-up token.
+        self.lm.configure_pool(config.max_sessions + config.speculation_slots + 1, max_batch=config.max_batch_size,
+                               max_width=config.max_draft_tokens + 2)
         self.sessions = SessionStore(
             self.lm.new_cache, self.lm.crop, max_sessions=config.max_sessions, ttl_s=config.session_ttl_s,
             kv_budget_bytes=None if config.kv_budget_mb is None else int(config.kv_budget_mb * 2**20),

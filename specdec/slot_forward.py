@@ -80,10 +80,10 @@ class SlotPool:
 
     def acquire(self) -> KVSlot:
         with self._lock:
-            if not self._free:
-                raise ResourceExhausted(f"all {self.num_slots} KV slots of the pool are in use; raise --max-sessions "
-                                        "(the pool holds max sessions + speculation slots + 1)")
-            index = self._free.popleft()
+            index = self._free.popleft() if self._free else None
+        if index is None:  # raised outside the lock: a collection here may run a slot's finalizer
+            raise ResourceExhausted(f"all {self.num_slots} KV slots of the pool are in use; raise --max-sessions "
+                                    "(the pool holds max sessions + speculation slots + 1)")
         slot = KVSlot(self.data[index], index=index)
         weakref.finalize(slot, self._release, index)
         return slot

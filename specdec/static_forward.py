@@ -30,6 +30,7 @@ runs eagerly: that is what the tests compare with the eager path.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -69,7 +70,7 @@ class _Bucket:
     inputs: torch.Tensor  # [B·T + 3B] long: ids, slot, start, nreal
     B: int
     T: int
-    logits: torch.Tensor | None = None  # [B, T, V]: the last step's (on CUDA: a view of the shared output)
+    logits: torch.Tensor | None = None  # [B, T, V]: the graph's output, a view of the shared buffer
     graph: object | None = None  # torch.cuda.CUDAGraph
 
     def views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -83,7 +84,9 @@ class StaticForward:
     """Bucketed static-shape forward over `pool`; CUDA graphs when `graphs` (CUDA only)."""
 
     def __init__(self, slots: SlotForward, pool: SlotPool, graphs: bool | None = None,
-                 max_batch: int = BATCH_BUCKETS[-1]) -> None:
+                 max_batch: int = BATCH_BUCKETS[-1], max_width: int = WIDTH_BUCKETS[-1]) -> None:
+        """max_batch / max_width: the largest bucket (more rows run in chunks, wider rows
+        eagerly); they size the graphs' shared logits buffer, [max_batch · max_width · V]."""
         if not static_supported(slots.model):
             raise ValueError("the static forward precomputes rotary tables; this model's rope scaling changes them "
                              "with the length")
@@ -94,8 +97,11 @@ class StaticForward:
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if self.graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
+        if not 1 <= max_batch or not 1 <= max_width <= WIDTH_BUCKETS[-1]:
+            raise ValueError(f"need max_batch >= 1 and 1 <= max_width <= {WIDTH_BUCKETS[-1]}")
         self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
-        self.max_width = WIDTH_BUCKETS[-1]
+        self.width_buckets = tuple(w for w in WIDTH_BUCKETS if w < max_width) + (max_width,)
+        self.max_width = max_width
         self.max_len = slots.max_len
         self.groups = slots.num_heads // slots.num_kv_heads
         inner = self.model.model
@@ -146,7 +152,7 @@ class StaticForward:
     def _static(self, rows: list[Row]) -> list[torch.Tensor]:
         check_rows(rows)
         B = _bucket(len(rows), self.batch_buckets)
-        T = _bucket(max(len(r.token_ids) for r in rows), WIDTH_BUCKETS)
+        T = _bucket(max(len(r.token_ids) for r in rows), self.width_buckets)
         C = self.context_bucket(max(r.slot.length + len(r.token_ids) for r in rows))
         bucket = self._bucket_for(B, T, C)
         host = [0] * (B * T) + [self.pool.scratch] * B + [0] * (2 * B)  # padding: scratch slot, 0 tokens
@@ -156,12 +162,14 @@ class StaticForward:
             host[B * T + b], host[B * T + B + b], host[B * T + 2 * B + b] = r.slot.index, r.slot.length, n
         bucket.inputs.copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
         if bucket.graph is not None:
-            bucket.graph.replay()
+            with self._on_device():
+                bucket.graph.replay()
+            # A copy even for float32: the graphs' output buffer is overwritten by the next replay.
+            logits = bucket.logits[: len(rows)].to(torch.float32, copy=True)  # [rows, T, V]
         else:
-            bucket.logits = self._step(*bucket.views(), C)
+            logits = self._step(*bucket.views(), C)[: len(rows)].float()
         for r in rows:
             r.slot.length += len(r.token_ids)
-        logits = bucket.logits[: len(rows)].float()  # [rows, T, V]: one conversion, then views per row
         return [logits[b, len(r.token_ids) - r.keep : len(r.token_ids)] for b, r in enumerate(rows)]
 
     def _bucket_for(self, B: int, T: int, C: int) -> _Bucket:
@@ -172,9 +180,15 @@ class StaticForward:
             inputs[B * T : B * T + B] = self.pool.scratch  # an all-padding batch until the first copy
             bucket = _Bucket(inputs=inputs, B=B, T=T)
             if self.graphs:
-                self._capture(bucket, C)
+                with self._on_device():
+                    self._capture(bucket, C)
             self._buckets[key] = bucket
         return bucket
+
+    def _on_device(self):
+        """Make the pool's device current: torch.cuda.graph captures on the current device's
+        stream, so a model on cuda:1 would otherwise be captured empty."""
+        return torch.cuda.device(self.device) if self.graphs else contextlib.nullcontext()
 
     def _capture(self, bucket: _Bucket, C: int) -> None:
         """Record one step of this bucket as a CUDA graph. The buffers hold an all-padding
@@ -194,7 +208,8 @@ class StaticForward:
                 self._step(*args)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        # thread_local: a CUDA call of another thread (a gRPC handler) must not void the capture.
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
             out.copy_(self._step(*args))
         bucket.logits, bucket.graph = out, graph
         log.info("captured CUDA graph B=%d T=%d C=%d", B, T, C)
@@ -211,7 +226,7 @@ class StaticForward:
         real = t[None, :] < nreal[:, None]  # [B, T]
         # Padded tokens go to the scratch row at positions 0..T-1: in bounds, never read as real.
         write_slot = torch.where(real, slot[:, None], self.pool.scratch)  # [B, T]
-        write_pos = torch.where(real, pos, t[None, :])  # [B, T]
+        write_pos = torch.where(real, pos, t.clamp(max=self.max_len - 1)[None, :])  # [B, T]
         rope_pos = pos.clamp(max=self.max_len - 1)  # a padded token's position may pass the end
         cos, sin = self.cos[rope_pos][:, :, None, :], self.sin[rope_pos][:, :, None, :]  # [B, T, 1, D]
         # Query (g, t) of KV head j sits at row g·T + t; it may see keys 0..pos[t].

@@ -78,6 +78,23 @@ def test_static_step_matches_the_slot_forward_on_a_ragged_padded_batch(target_lm
         assert torch.allclose(p.data[:, :, :, : p.length], q.data[:, :, :, : q.length], atol=1e-4)
 
 
+def test_static_step_at_the_edges_of_its_buckets(target_lm):
+    """A 13-token row in 16-position slots (its width bucket, 17, passes the slot's end: the
+    padding must stay in bounds) and three rows with a largest batch bucket of 2 (two
+    chunks): logits equal the eager slot forward's."""
+    from specdec.slot_forward import SlotForward
+
+    fwd = SlotForward(target_lm.model, max_len=16)
+    fast = StaticForward(fwd, fwd.new_pool(3), max_batch=2)
+    seqs = [(_ids(target_lm, p) * 3)[:13] for p in PROMPTS]
+    pooled = [fast.pool.acquire() for _ in seqs]
+    got = fast.forward([Row(p, s, len(s)) for p, s in zip(pooled, seqs)])
+    assert set(fast._buckets) == {(2, 17, 16), (1, 17, 16)}
+    for s, g in zip(seqs, got):
+        want = fwd.forward([Row(fwd.new_slot(), s, len(s))])
+        assert torch.allclose(g, want, atol=1e-4)
+
+
 def test_fast_path_greedy_tokens_equal_the_eager_transformers_path(fast_lm):
     """Two sessions decoded together through CausalLM.forward_rows (the engines' call) give
     token for token what transformers' own forward gives each prompt alone."""
