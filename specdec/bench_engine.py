@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from specdec.cli import positive as _positive
 from specdec.slot_forward import Row, SlotForward
 from specdec.static_forward import WIDTH_BUCKETS, StaticForward
 
@@ -256,3 +257,33 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"device": name, "dtype": str(dtype), "peak_gbps": peak,
                        "rows": [{**asdict(r), "speedup": r.speedup} for r in rows]}, f, indent=2)
     return 0
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", action="append", required=True,
+                   help="random-weight Llama shape: target-1.5b, drafter-270m, smollm2-135m, tiny; repeat for several")
+    p.add_argument("--device", default="auto", help="cpu, cuda[:N], or auto (cuda when available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="default bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--batch-sizes", default="1,16,64", help="comma-separated")
+    p.add_argument("--context", type=_positive("--context"), default=512,
+                   help="positions each session holds before the step")
+    p.add_argument("--width", type=_positive("--width"), default=None,
+                   help="tokens per row and step (default 5, a verify of gamma 4, for target-1.5b; else 1)")
+    p.add_argument("--steps", type=_positive("--steps"), default=20)
+    p.add_argument("--warmup", type=_positive("--warmup", zero=True), default=3)
+    p.add_argument("--peak-gbps", type=_positive("--peak-gbps", float), default=None,
+                   help="memory bandwidth for the limit (default: by GPU name)")
+    p.add_argument("--json", default=None, help="also write the rows to this path")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m specdec.bench_engine ...`: the same as `specdec bench engine`, without the
+    client's imports (grpc), for a GPU machine that has only torch and transformers."""
+    parser = argparse.ArgumentParser(prog="python -m specdec.bench_engine", description=__doc__.split("\n")[0])
+    add_args(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

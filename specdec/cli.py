@@ -34,6 +34,20 @@ def _positive_int(name: str):
     return parse
 
 
+def positive(name: str, kind=int, zero: bool = False):
+    """An argparse type: a number > 0 (>= 0 with zero=True)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a {kind.__name__}, got {text!r}") from None
+        if not (value >= 0 if zero else value > 0):
+            raise argparse.ArgumentTypeError(f"{name} must be {'>=' if zero else '>'} 0, got {text!r}")
+        return value
+
+    return parse
+
+
 class AddressList(argparse.Action):
     """A repeatable HOST:PORT option (default None): `--x A --x B` and `--x A,B` both give
     "A,B", a pool the client splits."""

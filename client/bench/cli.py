@@ -9,6 +9,8 @@ import argparse
 import math
 import sys
 
+from specdec.cli import positive as _positive
+
 
 def _goodput_slo(text: str) -> tuple[str, float]:
     from client.bench.serve import SLO_METRICS
@@ -33,20 +35,6 @@ def _rate(text: str) -> float:
     if not rate > 0:
         raise argparse.ArgumentTypeError(f"--request-rate must be > 0 (inf sends all at once), got {text!r}")
     return rate
-
-
-def _positive(name: str, kind=int, zero: bool = False):
-    """An argparse type: a number > 0 (>= 0 with zero=True)."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a {kind.__name__}, got {text!r}") from None
-        if not (value >= 0 if zero else value > 0):
-            raise argparse.ArgumentTypeError(f"{name} must be {'>=' if zero else '>'} 0, got {text!r}")
-        return value
-
-    return parse
 
 
 def _gamma(text: str) -> int | str:
@@ -151,21 +139,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
     e = sub.add_parser("engine", help="ms per forward step: eager transformers vs the fast path, random weights "
                                       "(no services)")
-    e.add_argument("--preset", action="append", required=True,
-                   help="random-weight Llama shape: target-1.5b, drafter-270m, smollm2-135m, tiny; repeat for several")
-    e.add_argument("--device", default="auto", help="cpu, cuda[:N], or auto (cuda when available)")
-    e.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                   help="default bfloat16 on CUDA, float32 on CPU")
-    e.add_argument("--batch-sizes", default="1,16,64", help="comma-separated")
-    e.add_argument("--context", type=_positive("--context"), default=512,
-                   help="positions each session holds before the step")
-    e.add_argument("--width", type=_positive("--width"), default=None,
-                   help="tokens per row and step (default 5, a verify of gamma 4, for target-1.5b; else 1)")
-    e.add_argument("--steps", type=_positive("--steps"), default=20)
-    e.add_argument("--warmup", type=_positive("--warmup", zero=True), default=3)
-    e.add_argument("--peak-gbps", type=_positive("--peak-gbps", float), default=None,
-                   help="memory bandwidth for the limit (default: by GPU name)")
-    e.add_argument("--json", default=None, help="also write the rows to this path")
+    from specdec import bench_engine  # torch is imported by now anyway
+
+    bench_engine.add_args(e)
     return bench
 
 
