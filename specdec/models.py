@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from specdec.errors import ResourceExhausted
 from specdec.slot_forward import SUPPORTED_MODEL_TYPES as SUPPORTED_SLOT_TYPES
 from specdec.slot_forward import KVSlot, Row, SlotForward, SlotPool
 from specdec.slot_forward import supports as slot_supported
@@ -206,6 +207,16 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 DEFAULT_MAX_MODEL_LEN = 2048
+# Without --kv-budget-mb, the fast path's slot pool takes at most this share of the memory
+# free when it is allocated (GPU memory on CUDA, available RAM on the CPU): the pool is
+# allocated whole at start, unlike slots allocated per session.
+POOL_MEMORY_FRACTION = 0.5
+
+
+def _free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 PREFILL_MIN_TOKENS = 3  # rows this long take the prefill weights, when a model has them
 
 
@@ -304,21 +315,34 @@ class CausalLM:
                              "static rotary scaling and no --quantize")
         return usable and (spec.fast_path == "on" or (spec.fast_path == "auto" and self.device.type == "cuda"))
 
-    def configure_pool(self, num_slots: int, max_batch: int = 32, max_width: int = 32) -> None:
-        """With the fast path: preallocate `num_slots` KV slots in one pool (every session
-        and speculation branch takes one; see static_forward.py). Static steps take up to
-        `max_batch` rows of up to `max_width` tokens. A no-op without the fast path."""
-        if not self.fast_path or self.pool is not None:
-            return
+    def configure_pool(self, num_slots: int, max_batch: int = 32, max_width: int = 32,
+                       budget_bytes: int | None = None) -> int | None:
+        """With the fast path: preallocate KV slots in one pool (every session and
+        speculation branch takes one; see static_forward.py), `num_slots` or as many as
+        fit in `budget_bytes` (default: POOL_MEMORY_FRACTION of the device's free memory),
+        whichever is fewer. Static steps take up to `max_batch` rows of up to `max_width`
+        tokens. Returns the slot count; None (and nothing allocated) without the fast path."""
+        if not self.fast_path:
+            return None
+        if self.pool is not None:
+            return self.pool.num_slots
+        slot_bytes = self.slots.new_slot_bytes()
+        budget = _free_memory(self.device) * POOL_MEMORY_FRACTION if budget_bytes is None else budget_bytes
+        fits = int(budget // slot_bytes) - 1  # - the scratch row
+        if fits < 1:
+            raise ResourceExhausted(f"one KV slot of {self.max_context} positions takes {slot_bytes / 2**20:.0f} MiB; "
+                              f"the pool's budget ({budget / 2**20:.0f} MiB) holds none: raise --kv-budget-mb or "
+                              "lower --max-model-len")
+        num_slots = min(num_slots, fits)
         try:
             self.pool = self.slots.new_pool(num_slots)
         except (RuntimeError, MemoryError) as exc:  # CUDA out of memory is a RuntimeError subclass
-            need = (num_slots + 1) * self.slots.new_slot_bytes()
-            raise MemoryError(f"the KV slot pool ({num_slots} slots + scratch, {need / 2**30:.1f} GiB) does not fit; "
-                              "lower --max-sessions or --max-model-len") from exc
+            raise ResourceExhausted(f"the KV slot pool ({num_slots} slots + scratch, {(num_slots + 1) * slot_bytes / 2**30:.1f}"
+                              " GiB) does not fit; lower --max-sessions, --max-model-len or --kv-budget-mb") from exc
         self.static = StaticForward(self.slots, self.pool, max_batch=max_batch, max_width=min(max_width, 32))
         log.info("fast path: %d KV slots of %d positions (%.1f GiB), CUDA graphs %s", num_slots, self.max_context,
-                 self.pool.data.numel() * self.pool.data.element_size() / 2**30, "on" if self.static.graphs else "off")
+                 (num_slots + 1) * slot_bytes / 2**30, "on" if self.static.graphs else "off")
+        return num_slots
 
     def _prefill_forward(self, spec: ModelSpec) -> SlotForward | None:
         """A second copy of the weights for rows of >= PREFILL_MIN_TOKENS tokens, or None.
@@ -451,8 +475,9 @@ class TokenOnlyLM:
     def new_cache() -> None:
         return None
 
-    def configure_pool(self, num_slots: int, max_batch: int = 32, max_width: int = 32) -> None:
-        pass  # no KV: nothing to preallocate
+    def configure_pool(self, num_slots: int, max_batch: int = 32, max_width: int = 32,
+                       budget_bytes: int | None = None) -> None:
+        return None  # no KV: nothing to preallocate
 
     @staticmethod
     def crop(cache: None, length: int) -> None:

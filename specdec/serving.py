@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass
 
 from specdec.batching import BatchPolicy, BatchScheduler, WorkItem
-from specdec.errors import InvalidArgument, OutOfRange
+from specdec.errors import InvalidArgument, OutOfRange, ResourceExhausted
 from specdec.models import CausalLM, ModelSpec, tokenizer_source
 from specdec.sampling import SamplingParams, TokenContext
 from specdec.sessions import SessionStore
@@ -83,15 +83,11 @@ class ServingModel:
         self.spec = spec
         self.config = config
         self.lm = lm or CausalLM(spec)
-        # Every session and speculation branch holds a slot; +1: a session is admitted before
-        # the least recently used one is evicted to make room.
-        # Steps are as wide as a verify of the longest draft plus a catch-up token.
-        self.lm.configure_pool(config.max_sessions + config.speculation_slots + 1, max_batch=config.max_batch_size,
-                               max_width=config.max_draft_tokens + 2)
+        budget = None if config.kv_budget_mb is None else int(config.kv_budget_mb * 2**20)
+        max_sessions = self._configure_pool(config, budget)
         self.sessions = SessionStore(
-            self.lm.new_cache, self.lm.crop, max_sessions=config.max_sessions, ttl_s=config.session_ttl_s,
-            kv_budget_bytes=None if config.kv_budget_mb is None else int(config.kv_budget_mb * 2**20),
-            cache_bytes=self.lm.cache_bytes,
+            self.lm.new_cache, self.lm.crop, max_sessions=max_sessions, ttl_s=config.session_ttl_s,
+            kv_budget_bytes=budget, cache_bytes=self.lm.cache_bytes,
         )
         self.scheduler = BatchScheduler(
             self._run_batch, BatchPolicy(config.max_batch_size, config.max_wait_ms), threads=self.lm.threads,
@@ -110,6 +106,23 @@ class ServingModel:
             device=spec.device,
             max_draft_tokens=config.max_draft_tokens,
         )
+
+    def _configure_pool(self, config: EngineConfig, budget: int | None) -> int:
+        """The model's KV slot pool (fast path), and the session cap it leaves: every session
+        and speculation branch holds a slot, and +1 because a session is admitted before the
+        least recently used one is evicted to make room. Steps are as wide as a verify of the
+        longest draft plus a catch-up token."""
+        reserved = config.speculation_slots + 1
+        slots = self.lm.configure_pool(config.max_sessions + reserved, max_batch=config.max_batch_size,
+                                       max_width=config.max_draft_tokens + 2, budget_bytes=budget)
+        if slots is None or slots >= config.max_sessions + reserved:
+            return config.max_sessions
+        if slots <= reserved:
+            raise ResourceExhausted(f"the KV slot pool holds {slots} slots, not more than the {reserved} reserved for "
+                                    "speculation branches and admission; raise --kv-budget-mb or lower --max-model-len")
+        log.warning("the KV slot pool holds %d slots: at most %d sessions instead of --max-sessions %d",
+                    slots, slots - reserved, config.max_sessions)
+        return slots - reserved
 
     def snapshot_stats(self) -> dict[str, int]:
         """Counters plus live sessions and the KV they hold."""

@@ -206,3 +206,22 @@ def test_random_model_directories_load_as_service_models(tmp_path, target_lm):
     assert lm.vocab_size == target_lm.vocab_size
     assert lm.tokenizer_fingerprint == target_lm.tokenizer_fingerprint  # the client's pairing check holds
     assert lm.fast_path and lm.slots is not None
+
+
+def test_the_kv_budget_sizes_the_pool_and_caps_sessions():
+    """--kv-budget-mb bounds the pool allocated at start (one slot of 64 positions: ~2.8 MiB),
+    the session cap follows the pool, and sessions beyond it evict idle ones instead of
+    failing for want of a slot."""
+    lm = CausalLM(ModelSpec(dtype="float32", fast_path="on", max_model_len=64))
+    slot_mib = lm.slots.new_slot_bytes() / 2**20
+    engine = VerifierEngine(lm.spec, EngineConfig(kv_budget_mb=6.5 * slot_mib, speculation_slots=0), lm=lm)
+    try:
+        assert lm.pool.num_slots == 5  # 6.5 slots of budget: 5 + scratch
+        assert engine.sessions.max_sessions == 4  # one slot kept for admission before eviction
+        ids = _ids(lm, PROMPTS[0])
+        for _ in range(7):
+            sid = engine.open_session()
+            engine.verify(sid, 0, ids, [], None, SamplingParams(temperature=0, max_tokens=4))
+        assert engine.sessions.evictions == 3 and len(engine.sessions) == 4
+    finally:
+        engine.shutdown()
