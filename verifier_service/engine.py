@@ -82,12 +82,14 @@ class VerifierEngine(ServingModel):
         vocab = self.lm.vocab_size
         k_max = max(len(r.draft_token_ids) for r in reqs)
         b = len(reqs)
-        target = torch.zeros(b, k_max + 1, vocab)  # [B, K + 1, V]; rows past K_b + 1 are never read
+        dev = logits[0].device  # the sampler runs where the logits are: on a GPU, no copy of [B, K + 1, V] back
+        target = torch.zeros(b, k_max + 1, vocab, device=dev)  # [B, K + 1, V]; rows past K_b + 1 are never read
+        # Host-built inputs, each copied to the device once.
         drafts = torch.full((b, k_max), PLACEHOLDER_TOKEN_ID, dtype=torch.long)  # [B, K]
         draws = torch.zeros(b, k_max + 1, 2, dtype=torch.float64)  # [B, K + 1, 2]
         q = None
         if any(r.q is not None for r in reqs):
-            q = torch.ones(b, k_max, vocab)  # rows of requests without q are ignored (one-hot or unused)
+            q = torch.ones(b, k_max, vocab, device=dev)  # rows of requests without q are ignored (one-hot or unused)
         for i, (r, lg) in enumerate(zip(reqs, logits)):
             k = len(r.draft_token_ids)
             first_pos = r.session.length + len(r.append_token_ids)  # absolute position of draft 0
@@ -99,21 +101,22 @@ class VerifierEngine(ServingModel):
                                                       list(range(first_pos, first_pos + k + 1)))
             if q is not None:
                 if r.q is not None:
-                    q[i, :k] = r.q
+                    q[i, :k] = r.q.to(dev)
                 else:  # one-hot q of an ids-only proposal: (p - q)+ is p without the draft
                     q[i, :k] = 0.0
-                    q[i, torch.arange(k), drafts[i, :k]] = 1.0
+                    q[i, torch.arange(k), drafts[i, :k].to(dev)] = 1.0
         out = speculative_sample(
-            target, drafts, q, torch.tensor([len(r.draft_token_ids) for r in reqs]),
-            draws if any(r.params.method != GREEDY for r in reqs) else None, [r.params.method for r in reqs],
-            torch.tensor([r.params.posterior_threshold for r in reqs]),
-            torch.tensor([r.params.posterior_alpha for r in reqs]),
+            target, drafts.to(dev), q, torch.tensor([len(r.draft_token_ids) for r in reqs], device=dev),
+            draws.to(dev) if any(r.params.method != GREEDY for r in reqs) else None, [r.params.method for r in reqs],
+            torch.tensor([r.params.posterior_threshold for r in reqs], device=dev),
+            torch.tensor([r.params.posterior_alpha for r in reqs], device=dev),
         )
         self.stats.add(forwards=1)
+        # The batch's only device-to-host transfers: the accepted counts and the emitted ids.
+        accepted, rows = out.num_accepted.tolist(), out.output_token_ids.tolist()
         for i, (item, r) in enumerate(zip(items, reqs)):
             try:
-                item.future.set_result(self._finish(r, target[i], int(out.num_accepted[i]),
-                                                    out.output_token_ids[i].tolist()))
+                item.future.set_result(self._finish(r, target[i], accepted[i], rows[i]))
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 item.future.set_exception(exc)
 
