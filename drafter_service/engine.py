@@ -48,15 +48,12 @@ class _Request:
         return (self.params, self.prompt_length, self.builder.fmt, self.session.seed_for(self.params))
 
 
-class DrafterEngine(ServingModel):
-    role = "drafter"
-    speculation: SpeculationCache | None = None  # set after the engine thread has started
+class Drafter(ServingModel):
+    """The Drafter API that every backend serves (the model here, prompt lookup in
+    ngram_engine.py): the request checks, the held and truncated session, one queued
+    request. A backend says what it queues (`_request`) and how a batch runs (`_run_batch`)."""
 
-    def __init__(self, spec: ModelSpec, config: EngineConfig = EngineConfig(), lm: CausalLM | None = None) -> None:
-        super().__init__(spec, config, lm)
-        # Branches fork the session's KV slot; models without a slot forward do not speculate.
-        self.speculation = (SpeculationCache(config.speculation_slots, self.lm.new_cache, copy_prefix)
-                            if self.lm.slots is not None and config.speculation_slots > 0 else None)
+    role = "drafter"
 
     def draft(
         self,
@@ -75,9 +72,27 @@ class DrafterEngine(ServingModel):
         self.check_request(truncate_to, append_token_ids, num_draft_tokens, params, prompt_length=prompt_length,
                            fanout=fanout)
         with self.sessions.use(session_id, truncate_to, owner) as session:
-            req = _Request(session, append_token_ids, num_draft_tokens, params, prompt_length,
-                           ProposalBuilder(fmt, self.lm.vocab_size), fanout=fanout, pending=list(append_token_ids))
-            return self.submit(req)
+            return self.submit(self._request(session, append_token_ids, num_draft_tokens, params, fmt, prompt_length,
+                                             fanout))
+
+    def _request(self, session: Session, append_token_ids: list[int], num_draft_tokens: int, params: SamplingParams,
+                 fmt: ProposalFormat, prompt_length: int, fanout: int) -> object:
+        raise NotImplementedError
+
+
+class DrafterEngine(Drafter):
+    speculation: SpeculationCache | None = None  # set after the engine thread has started
+
+    def __init__(self, spec: ModelSpec, config: EngineConfig = EngineConfig(), lm: CausalLM | None = None) -> None:
+        super().__init__(spec, config, lm)
+        # Branches fork the session's KV slot; models without a slot forward do not speculate.
+        self.speculation = (SpeculationCache(config.speculation_slots, self.lm.new_cache, copy_prefix)
+                            if self.lm.slots is not None and config.speculation_slots > 0 else None)
+
+    def _request(self, session: Session, append_token_ids: list[int], num_draft_tokens: int, params: SamplingParams,
+                 fmt: ProposalFormat, prompt_length: int, fanout: int) -> _Request:
+        return _Request(session, append_token_ids, num_draft_tokens, params, prompt_length,
+                        ProposalBuilder(fmt, self.lm.vocab_size), fanout=fanout, pending=list(append_token_ids))
 
     def close_session(self, session_id: str, owner: str | None = None) -> None:
         super().close_session(session_id, owner)

@@ -15,13 +15,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from drafter_service.engine import DraftOut
+from drafter_service.engine import Drafter, DraftOut
 from specdec.batching import WorkItem
 from specdec.models import ModelSpec, TokenOnlyLM
 from specdec.ngram import ngram_propose
 from specdec.proposals import IDS_ONLY, Proposal, ProposalFormat
 from specdec.sampling import SamplingParams
-from specdec.serving import EngineConfig, ServingModel
+from specdec.serving import EngineConfig
 from specdec.sessions import Session
 
 log = logging.getLogger(__name__)
@@ -34,8 +34,7 @@ class _Request:
     num_draft_tokens: int
 
 
-class NgramDrafterEngine(ServingModel):
-    role = "drafter"
+class NgramDrafterEngine(Drafter):
 
     def __init__(self, spec: ModelSpec, config: EngineConfig = EngineConfig(), n_min: int = 1, n_max: int = 4,
                  lm: TokenOnlyLM | None = None) -> None:
@@ -46,25 +45,12 @@ class NgramDrafterEngine(ServingModel):
         name = spec.display_name.rsplit("[", 1)[0]  # the tokenizer's model, without a dtype it never loads
         self.info = dataclasses.replace(self.info, model=f"ngram[{n_min}-{n_max}]:{name}", dtype="none")
 
-    def draft(
-        self,
-        session_id: str,
-        truncate_to: int,
-        append_token_ids: list[int],
-        num_draft_tokens: int,
-        params: SamplingParams,
-        fmt: ProposalFormat = ProposalFormat(),
-        prompt_length: int = 0,
-        owner: str | None = None,
-        fanout: int = 0,
-    ) -> DraftOut:
-        """The model drafter's contract and checks. `params`, `fmt` and `fanout` are only
-        validated: the proposal is ids-only whatever was asked (q is one-hot on the draft),
-        and a lookup costs too little to pre-draft the next round."""
-        self.check_request(truncate_to, append_token_ids, num_draft_tokens, params, prompt_length=prompt_length,
-                           fanout=fanout)
-        with self.sessions.use(session_id, truncate_to, owner) as session:
-            return self.submit(_Request(session, append_token_ids, num_draft_tokens))
+    def _request(self, session: Session, append_token_ids: list[int], num_draft_tokens: int, params: SamplingParams,
+                 fmt: ProposalFormat, prompt_length: int, fanout: int) -> _Request:
+        """`params`, `fmt` and `fanout` were only validated: the proposal is ids-only whatever
+        was asked (q is one-hot on the draft), and a lookup costs too little to pre-draft the
+        next round."""
+        return _Request(session, append_token_ids, num_draft_tokens)
 
     def _run_batch(self, items: list[WorkItem]) -> None:
         for item in items:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from drafter_service.engine import DrafterEngine
+from drafter_service.engine import Drafter
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
 from specdec_rpc.adapters import (
@@ -18,7 +18,7 @@ from specdec_rpc.ops import caller_owner
 
 
 class DrafterServicer(SessionMethods, pb_grpc.DrafterServicer):
-    def __init__(self, engine: DrafterEngine) -> None:
+    def __init__(self, engine: Drafter) -> None:
         self.engine = engine
 
     @rpc_method
@@ -39,11 +39,11 @@ class DrafterServicer(SessionMethods, pb_grpc.DrafterServicer):
                                 kv_length=out.kv_length, cached_draft_tokens=out.cached_draft_tokens)
 
 
-def start(engine: DrafterEngine, host: str = "127.0.0.1", port: int = 0, **kwargs):
+def start(engine: Drafter, host: str = "127.0.0.1", port: int = 0, **kwargs):
     return serve(engine, lambda s: pb_grpc.add_DrafterServicer_to_server(DrafterServicer(engine), s), host, port, **kwargs)
 
 
-def run(engine: DrafterEngine, host: str, port: int, grace_s: float = 5.0, **serve_kwargs) -> None:
+def run(engine: Drafter, host: str, port: int, grace_s: float = 5.0, **serve_kwargs) -> None:
     """Serve until SIGINT / SIGTERM (prints the bound address first); serve_kwargs: TLS,
     auth and metrics options of adapters.serve."""
     server, _ = start(engine, host, port, **serve_kwargs)
