@@ -138,54 +138,59 @@ def _median_ms(step, device: torch.device, steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def _time_eager(model, prompt: torch.Tensor, step_ids: torch.Tensor, device: torch.device, steps: int,
+                warmup: int) -> tuple[float, torch.Tensor]:
+    """transformers' forward with a DynamicCache: (median ms per step, the step's logits [B, width, V])."""
+    from transformers import DynamicCache
+
+    width = step_ids.shape[1]
+    cache = DynamicCache(config=model.config)
+    model(prompt.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+    def step() -> torch.Tensor:
+        logits = model(step_ids.to(device), past_key_values=cache, use_cache=True).logits
+        cache.crop(-width)  # transformers 5: a negative count drops that many tokens
+        return logits
+
+    logits = step()
+    return _median_ms(step, device, steps, warmup), logits
+
+
+def _time_slots(forward, slots: list, prompt: torch.Tensor, step_ids: torch.Tensor, device: torch.device,
+                steps: int, warmup: int) -> tuple[float, object]:
+    """`forward` (a slot forward) over `slots`: each prefilled with its prompt row (one row
+    at a time, so the prefill's activations stay those of one row), then steps appending
+    step_ids from the prompt's length. (median ms per step, the step's output)."""
+    context, width = prompt.shape[1], step_ids.shape[1]
+    for b, slot in enumerate(slots):
+        forward([Row(slot, prompt[b].tolist(), keep=1)])
+    rows = [Row(slot, step_ids[b].tolist(), keep=width) for b, slot in enumerate(slots)]
+
+    def step():
+        for slot in slots:
+            slot.length = context
+        return forward(rows)
+
+    out = step()
+    return _median_ms(step, device, steps, warmup), out
+
+
 @torch.inference_mode()
 def measure(model, preset: str, batch: int, context: int, width: int, steps: int, warmup: int,
             peak_gbps: float | None, seed: int = 0) -> EngineRow:
-    from transformers import DynamicCache
-
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     prompt = torch.randint(vocab, (batch, context), generator=gen)  # [B, context]
     step_ids = torch.randint(vocab, (batch, width), generator=gen)  # [B, width]
-
-    cache = DynamicCache(config=model.config)
-    model(prompt.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
-    eager_logits = model(step_ids.to(device), past_key_values=cache, use_cache=True).logits  # [B, width, V]
-    cache.crop(-width)
-
-    def eager_step() -> None:
-        model(step_ids.to(device), past_key_values=cache, use_cache=True)
-        cache.crop(-width)  # transformers 5: a negative count drops that many tokens
-
-    eager_ms = _median_ms(eager_step, device, steps, warmup)
-    del cache
-
+    eager_ms, eager_logits = _time_eager(model, prompt, step_ids, device, steps, warmup)
     slots = SlotForward(model, max_len=context + max(width, 32))
+    slot_ms, _ = _time_slots(slots.forward, [slots.new_slot() for _ in range(batch)], prompt, step_ids, device,
+                             steps, warmup)
     fast = StaticForward(slots, slots.new_pool(batch), max_batch=batch, max_width=width)
-    plain = [slots.new_slot() for _ in range(batch)]
-    slots.forward([Row(slot, prompt[b].tolist(), keep=1) for b, slot in enumerate(plain)])
-    plain_rows = [Row(slot, step_ids[b].tolist(), keep=width) for b, slot in enumerate(plain)]
-
-    def slot_step() -> None:
-        for slot in plain:
-            slot.length = context
-        slots.forward(plain_rows)
-
-    slot_ms = _median_ms(slot_step, device, steps, warmup)
-    del plain, plain_rows
-    sessions = [fast.pool.acquire() for _ in range(batch)]
-    for b, slot in enumerate(sessions):  # prefill one row at a time: the pool is the only KV memory
-        fast.forward([Row(slot, prompt[b].tolist(), keep=1)])
-    rows = [Row(slot, step_ids[b].tolist(), keep=width) for b, slot in enumerate(sessions)]
-    fast_logits = torch.stack(fast.forward(rows))  # [B, width, V] float32
-
-    def fast_step() -> None:
-        for slot in sessions:
-            slot.length = context
-        fast.forward(rows)
-
-    fast_ms = _median_ms(fast_step, device, steps, warmup)
+    fast_ms, out = _time_slots(fast.forward, [fast.pool.acquire() for _ in range(batch)], prompt, step_ids, device,
+                               steps, warmup)
+    fast_logits = torch.stack(out)  # [B, width, V] float32
     agreement = float((fast_logits.argmax(-1) == eager_logits.float().argmax(-1)).float().mean())
     diff = float((fast_logits - eager_logits.float()).abs().max())
     nbytes = step_bytes(model, batch, context, width)

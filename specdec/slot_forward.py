@@ -152,7 +152,7 @@ class SlotForward:
 
     def new_slot_bytes(self) -> int:
         return (self.num_layers * 2 * self.num_kv_heads * self.max_len * self.head_dim
-                * torch.empty((), dtype=self.dtype).element_size())
+                * self.dtype.itemsize)
 
     def new_slot(self) -> KVSlot:
         # torch.empty: pages are only committed when written, so an idle slot costs address
