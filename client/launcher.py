@@ -40,6 +40,12 @@ class ServiceProcess:
             self.proc.kill()
             self.proc.wait()
 
+    def __enter__(self) -> "ServiceProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
 
 def start_service(role: str, args: list[str] | None = None, *, host: str = "127.0.0.1", port: int = 0,
                   threads: int | None = None, timeout_s: float = 600.0,

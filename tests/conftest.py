@@ -16,28 +16,27 @@ SERVICE_THREADS = 1  # three test services + the test process share 2 cores
 
 @pytest.fixture(scope="session")
 def verifier_proc():
-    svc = start_service("verifier", ["--max-draft-tokens", "8", "--log-level", "WARNING"], threads=SERVICE_THREADS)
-    yield svc
-    svc.stop()
+    with start_service("verifier", ["--max-draft-tokens", "8", "--log-level", "WARNING"],
+                       threads=SERVICE_THREADS) as svc:
+        yield svc
 
 
 @pytest.fixture(scope="session")
 def drafter_proc():
     """The default drafter: the embedded weights in float16 (acceptance ~1)."""
-    svc = start_service("drafter", ["--max-draft-tokens", "8", "--log-level", "WARNING"], threads=SERVICE_THREADS)
-    yield svc
-    svc.stop()
+    with start_service("drafter", ["--max-draft-tokens", "8", "--log-level", "WARNING"],
+                       threads=SERVICE_THREADS) as svc:
+        yield svc
 
 
 @pytest.fixture(scope="session")
 def int8_drafter_proc():
     """A real low-acceptance drafter (dynamic int8 decoder layers), so rejections happen."""
-    svc = start_service(
+    with start_service(
         "drafter", ["--quantize", "int8", "--dtype", "float32", "--max-draft-tokens", "8", "--log-level", "WARNING"],
         threads=SERVICE_THREADS,
-    )
-    yield svc
-    svc.stop()
+    ) as svc:
+        yield svc
 
 
 @pytest.fixture(scope="session")

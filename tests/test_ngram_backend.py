@@ -116,10 +116,9 @@ def test_ngram_bounds_are_checked():
 
 @pytest.fixture(scope="module")
 def ngram_drafter_proc():
-    svc = start_service("drafter", ["--backend", "ngram", "--max-draft-tokens", "8", "--log-level", "WARNING"],
-                        threads=SERVICE_THREADS)
-    yield svc
-    svc.stop()
+    with start_service("drafter", ["--backend", "ngram", "--max-draft-tokens", "8", "--log-level", "WARNING"],
+                       threads=SERVICE_THREADS) as svc:
+        yield svc
 
 
 @pytest.fixture(scope="module")
