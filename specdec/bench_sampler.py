@@ -2,8 +2,9 @@
 
 Prints, for one device (cpu, or cuda when available):
   * microseconds per `speculative_sample` call at several batch sizes, for rejection
-    sampling with dense q, with one-hot q (ids-only / n-gram drafts), greedy matching and
-    typical acceptance, plus the seeded draws (`counter_uniforms`) on their own;
+    sampling with dense q on the torch backend and (CUDA) on the fused Triton kernel, with
+    one-hot q (ids-only / n-gram drafts), greedy matching and typical acceptance (each on
+    the backend "auto" picks), plus the seeded draws (`counter_uniforms`) on their own;
   * the bytes a proposal puts on the wire per round for each form (V, gamma as given).
 A plain-torch reference (the textbook loop: per position an accept test, a residual and
 a `torch.multinomial`, with host syncs) is timed in the same run, and FlashInfer's
@@ -21,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from specdec import triton_verification
 from specdec.proposals import DENSE, IDS_ONLY, SPARSE, ProposalBuilder, ProposalFormat
 from specdec.sampling import STREAM_VERIFY, counter_uniforms
 from specdec.verification import speculative_sample
@@ -94,11 +96,13 @@ def sampler_timings(device: torch.device, batch_sizes: list[int], gamma: int, vo
                     repeat: int) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(0)
     flashinfer = _flashinfer() if device.type == "cuda" else None
+    triton = device.type == "cuda" and triton_verification.available()
     rows = []
     for b in batch_sizes:
         p = torch.softmax(torch.randn(b, gamma + 1, vocab, device=device, generator=gen) * 3, -1)
         q = torch.softmax(torch.randn(b, gamma, vocab, device=device, generator=gen) * 3, -1)
         drafts = torch.multinomial(q.reshape(-1, vocab), 1, generator=gen).reshape(b, gamma)
+        q_sums = q.sum(dim=-1)  # [B, gamma]: the verifier has them from decoding the proposal, off this path
         num_draft = torch.full((b,), gamma, device=device)
         seeds = torch.arange(b, device=device, dtype=torch.int64)
         positions = 100 + torch.arange(gamma + 1, device=device, dtype=torch.int64).expand(b, gamma + 1)
@@ -106,7 +110,8 @@ def sampler_timings(device: torch.device, batch_sizes: list[int], gamma: int, vo
         thr, alpha = torch.full((b,), 0.09, device=device), torch.full((b,), 0.3, device=device)
         row = {"batch_size": b, "gamma": gamma, "vocab": vocab, "device": device.type}
         cases = {
-            "rejection_dense_q_us": lambda: speculative_sample(p, drafts, q, num_draft, draws, ["rejection"] * b),
+            "rejection_dense_q_us": lambda: speculative_sample(p, drafts, q, num_draft, draws, ["rejection"] * b,
+                                                               q_sums=q_sums, backend="torch"),
             "rejection_one_hot_q_us": lambda: speculative_sample(p, drafts, None, num_draft, draws, ["rejection"] * b),
             "greedy_us": lambda: speculative_sample(p, drafts, None, num_draft, None, ["greedy"] * b),
             "typical_us": lambda: speculative_sample(p, drafts, None, num_draft, draws, ["typical"] * b, thr, alpha),
@@ -114,8 +119,12 @@ def sampler_timings(device: torch.device, batch_sizes: list[int], gamma: int, vo
             "seeded_draws_us": lambda: counter_uniforms(seeds, STREAM_VERIFY, positions),
             "plain_torch_us": lambda: plain_torch_reference(p, drafts, q, gen),
         }
+        if triton:
+            cases["triton_dense_q_us"] = lambda: speculative_sample(p, drafts, q, num_draft, draws, ["rejection"] * b,
+                                                                    q_sums=q_sums, backend="triton")
         for name, fn in cases.items():
             row[name] = round(_time_us(fn, device, repeat), 1)
+        row.setdefault("triton_dense_q_us", None)
         if flashinfer is not None:
             ids32 = drafts.to(torch.int32)
             row["flashinfer_chain_us"] = round(_time_us(lambda: flashinfer(q, ids32, p), device, repeat), 1)
@@ -127,6 +136,22 @@ def sampler_timings(device: torch.device, batch_sizes: list[int], gamma: int, vo
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--repeat must be >= 1, got {value}")
+    return value
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when available)")
+    p.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1,16,64 on CPU, 1,64,256 on CUDA)")
+    p.add_argument("--gammas", default=None, help="comma-separated (default: 4 on CPU, 4,8 on CUDA)")
+    p.add_argument("--vocab-sizes", default=None, help="comma-separated (default: 49152 on CPU, 32000,151936 on CUDA)")
+    p.add_argument("--repeat", type=_positive_int, default=20)
+    p.add_argument("--json", default=None, help="also write the results to this path")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -145,15 +170,35 @@ def run(args: argparse.Namespace) -> int:
         for gamma in gammas:
             rows += sampler_timings(device, batch_sizes, gamma, vocab, args.repeat)
     keys = [k for k in rows[0] if k.endswith("_us")]
+    missing = {"triton_dense_q_us": "n/a (CUDA+triton)", "flashinfer_chain_us": "n/a (no flashinfer)"}
     print(f"\nsampler, microseconds per call on {device} (torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads); ours vs the plain-torch loop in the last column:")
-    print(f"  {'V':>7} {'γ':>2} {'B':>4} " + " ".join(f"{k[:-3]:>20}" for k in keys) + f" {'plain/ours':>11}")
+          f"{torch.get_num_threads()} threads). Last columns: the plain-torch loop's time over our fastest dense-q "
+          f"rejection sampler's, and FlashInfer's over the Triton kernel's (> 1: ours is faster):")
+    print(f"  {'V':>7} {'γ':>2} {'B':>4} " + " ".join(f"{k[:-3]:>20}" for k in keys)
+          + f" {'plain/ours':>11} {'flashinfer/triton':>18}")
     for r in rows:
-        cells = ["n/a (no flashinfer)" if r[k] is None else f"{r[k]:,.1f}" for k in keys]
-        ratio = r["plain_torch_us"] / r["rejection_dense_q_us"]
+        cells = [missing.get(k, "n/a") if r[k] is None else f"{r[k]:,.1f}" for k in keys]
+        ours = min(t for t in (r["rejection_dense_q_us"], r["triton_dense_q_us"]) if t is not None)
+        r["plain_over_ours"] = round(r["plain_torch_us"] / ours, 2)
+        r["flashinfer_over_triton"] = None
+        if r["flashinfer_chain_us"] is not None and r["triton_dense_q_us"] is not None:
+            r["flashinfer_over_triton"] = round(r["flashinfer_chain_us"] / r["triton_dense_q_us"], 2)
+        vs_fi = "n/a" if r["flashinfer_over_triton"] is None else f"{r['flashinfer_over_triton']:.2f}x"
         print(f"  {r['vocab']:>7} {r['gamma']:>2} {r['batch_size']:>4} " + " ".join(f"{c:>20}" for c in cells)
-              + f" {ratio:>10.1f}x")
+              + f" {r['plain_over_ours']:>10.1f}x {vs_fi:>18}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"proposal_bytes": dict(sizes), "sampler": rows}, fh, indent=2)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m specdec.bench_sampler ...`: the same as `specdec bench sampler`, without the
+    client's imports (grpc), for a GPU machine that has only torch (and triton, flashinfer)."""
+    parser = argparse.ArgumentParser(prog="python -m specdec.bench_sampler", description=__doc__.split("\n")[0])
+    add_args(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -106,6 +106,10 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--max-wait-ms", type=float, default=10.0,
                    help="how long a non-full batch waits for more requests, only while batches hold > 1 request")
     p.add_argument("--session-ttl-s", type=float, default=600.0, help="idle sessions are closed after this")
+    if role == "verifier":
+        p.add_argument("--sampler-backend", default="auto", choices=["auto", "torch", "triton"],
+                       help="batched speculative sampler: the fused Triton kernel (CUDA; auto picks it when triton "
+                            "imports) or torch ops; both emit the same tokens for the same seed")
     if role == "drafter":
         p.add_argument("--speculation-slots", type=_positive_int("--speculation-slots"), default=16,
                        help="KV slots for branches pre-drafted while the verifier works (requests with fanout > 0), "
@@ -180,7 +184,8 @@ def _serve(args: argparse.Namespace, role: str) -> int:
     config = EngineConfig(max_draft_tokens=args.max_draft_tokens, max_sessions=args.max_sessions,
                           session_ttl_s=args.session_ttl_s, kv_budget_mb=args.kv_budget_mb,
                           max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
-                          speculation_slots=getattr(args, "speculation_slots", 0))
+                          speculation_slots=getattr(args, "speculation_slots", 0),
+                          sampler_backend=getattr(args, "sampler_backend", "auto"))
     if role == "drafter" and args.backend == "ngram":
         from drafter_service.ngram_engine import NgramDrafterEngine
         from drafter_service.server import run

@@ -66,6 +66,7 @@ class EngineConfig:
     max_batch_size: int = 32
     max_wait_ms: float = 10.0
     speculation_slots: int = 16  # drafter: KV slots for pre-drafted branches (DraftRequest.fanout), all sessions
+    sampler_backend: str = "auto"  # verifier: "auto" | "torch" | "triton" (specdec.verification.resolve_backend)
 
 
 class ServingModel:

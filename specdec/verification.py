@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec import triton_verification
 from specdec.sampling import GREEDY, REJECTION, TYPICAL, sample_inverse_cdf
 
 PLACEHOLDER_TOKEN_ID = -1
@@ -78,17 +79,18 @@ def _rejection_accept(
     target_probs: torch.Tensor,  # [B, K + 1, V]
     draft_token_ids: torch.Tensor,  # [B, K]
     draft_probs: torch.Tensor | None,  # [B, K, V] or None (one-hot q)
+    q_sums: torch.Tensor | None,  # [B, K] row sums of draft_probs
     draws: torch.Tensor,  # [B, K + 1, 2]
 ) -> torch.Tensor:
     """Accept draft x_j iff u_j * q_j(x_j) < p_j(x_j) (no division, no epsilon) -> [B, K] bool."""
     k = draft_token_ids.shape[1]
     ids = draft_token_ids.clamp_min(0)[..., None]  # [B, K, 1]
     p_draft = target_probs[:, :k].gather(2, ids)[..., 0]  # [B, K]
-    if draft_probs is None:
+    if draft_probs is None or q_sums is None:
         q_draft = torch.ones_like(p_draft)
     else:
         # q rows need not be normalized: a drafter sampling by inverse CDF samples normalize(q).
-        q_draft = draft_probs.gather(2, ids)[..., 0] / draft_probs.sum(dim=-1)
+        q_draft = draft_probs.gather(2, ids)[..., 0] / q_sums
     return draws[:, :k, 0] * q_draft < p_draft
 
 
@@ -110,6 +112,23 @@ def _typical_accept(
     return p_draft > threshold
 
 
+SAMPLER_BACKENDS = ("auto", "torch", "triton")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """"auto" -> the fused Triton kernel for CUDA tensors when Triton imports, else torch."""
+    if backend not in SAMPLER_BACKENDS:
+        raise ValueError(f"sampler backend must be one of {SAMPLER_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_verification.available() else "torch"
+    if backend == "triton":
+        if not triton_verification.available():
+            raise RuntimeError("the triton sampler backend needs the triton package (pip install 'specdec[gpu]')")
+        if device.type != "cuda" and not triton_verification.interpreting():
+            raise ValueError("the triton sampler backend runs on CUDA tensors (on CPU only with TRITON_INTERPRET=1)")
+    return backend
+
+
 def speculative_sample(
     target_probs: torch.Tensor,  # [B, K + 1, V] float32; greedy rows may hold any distribution with the right argmax
     draft_token_ids: torch.Tensor,  # [B, K] int64, -1 past num_draft
@@ -119,17 +138,21 @@ def speculative_sample(
     methods: list[str],  # [B] "rejection" | "greedy" | "typical"
     posterior_threshold: torch.Tensor | None = None,  # [B], typical rows only
     posterior_alpha: torch.Tensor | None = None,  # [B], typical rows only
+    q_sums: torch.Tensor | None = None,  # [B, K] row sums of draft_probs, if the caller has them
+    backend: str = "auto",  # "auto" | "torch" | "triton" (see `resolve_backend`)
 ) -> VerifyOutput:
     """One batch, each request verified by its own rule, without a host sync.
 
-    The accept tests of every rule in use are computed over [B, K] and merged per row with
-    `torch.where` (greedy and random requests share the call, as in vLLM's rejection
-    sampler); rules no row uses are not computed. Then each request draws exactly one
-    token, at its stop position n = num_accepted:
+    The accept tests of every rule in use are computed over [B, K] and merged per row
+    (greedy and random requests share the call, as in vLLM's rejection sampler); rules no
+    row uses are not computed. Then each request draws exactly one token, at its stop
+    position n = num_accepted:
       rejection: normalize((p_n - q_n)+) if a draft was rejected, p_n for the bonus;
       greedy:    argmax p_n;
       typical:   argmax p_n if a draft was rejected, a sample of p_n for the bonus.
     So the V-wide work (residual, cumulative sum) is done once per request, not K + 1 times.
+    The "triton" backend fuses the accept loop and that draw into one kernel
+    (`specdec.triton_verification`); both backends give the same tokens for the same draws.
     """
     device = target_probs.device
     b, k = draft_token_ids.shape
@@ -140,34 +163,46 @@ def speculative_sample(
         raise ValueError(f"unknown acceptance method(s) {sorted(present - {GREEDY, REJECTION, TYPICAL})}")
     if present - {GREEDY} and draws is None:
         raise ValueError("random rows need draws")
+    if TYPICAL in present and (posterior_threshold is None or posterior_alpha is None):
+        raise ValueError("typical rows need posterior_threshold and posterior_alpha")
+    if draft_probs is not None and q_sums is None:
+        q_sums = draft_probs.sum(dim=-1)  # [B, K]
+    target_argmax = target_probs.argmax(dim=-1) if present & {GREEDY, TYPICAL} else None  # [B, K + 1]
+    typical = None
+    if TYPICAL in present:
+        typical = _typical_accept(target_probs, draft_token_ids, posterior_threshold.to(device),
+                                  posterior_alpha.to(device))  # [B, K]
+    if resolve_backend(backend, device) == "triton":
+        codes = torch.tensor([triton_verification.METHOD_CODES[m] for m in methods], dtype=torch.int32)
+        out, n = triton_verification.chain_verify(
+            target_probs, draft_token_ids, draft_probs, q_sums, num_draft.to(device),
+            torch.zeros(b, k + 1, 2, dtype=torch.float64, device=device) if draws is None else draws,
+            codes.to(device), target_argmax, typical)
+        return VerifyOutput(output_token_ids=out, num_accepted=n, num_emitted=n + 1)
+
     is_rejection = torch.tensor([m == REJECTION for m in methods], dtype=torch.bool, device=device)  # [B]
     is_typical = torch.tensor([m == TYPICAL for m in methods], dtype=torch.bool, device=device)
-
-    accept = draft_token_ids == target_probs[:, :k].argmax(dim=-1) if GREEDY in present else \
-        torch.zeros(b, k, dtype=torch.bool, device=device)  # [B, K]
+    accept = torch.zeros(b, k, dtype=torch.bool, device=device)  # [B, K]
+    if target_argmax is not None:
+        accept = draft_token_ids == target_argmax[:, :k]
     if REJECTION in present:
-        accept = torch.where(is_rejection[:, None], _rejection_accept(target_probs, draft_token_ids, draft_probs, draws),
-                             accept)
-    if TYPICAL in present:
-        if posterior_threshold is None or posterior_alpha is None:
-            raise ValueError("typical rows need posterior_threshold and posterior_alpha")
-        accept = torch.where(is_typical[:, None], _typical_accept(target_probs, draft_token_ids,
-                                                                  posterior_threshold.to(device),
-                                                                  posterior_alpha.to(device)), accept)
+        accept = torch.where(is_rejection[:, None],
+                             _rejection_accept(target_probs, draft_token_ids, draft_probs, q_sums, draws), accept)
+    if typical is not None:
+        accept = torch.where(is_typical[:, None], typical, accept)
     n = _accepted_prefix(accept, num_draft)  # [B]
     rows = torch.arange(b, device=device)
     p_stop = target_probs[rows, n]  # [B, V]
     rejected = n < num_draft  # [B]: stopped at a rejected draft (else: the bonus position)
-    final = p_stop.argmax(dim=-1)  # greedy rows, and typical rows at a rejection
+    final = p_stop.argmax(dim=-1) if target_argmax is None else target_argmax[rows, n]  # greedy; typical rejections
     if present - {GREEDY}:
         dist = p_stop
         if REJECTION in present and k:
             j = n.clamp_max(k - 1)
-            if draft_probs is None:  # (p - onehot(x))+ is p with x removed
+            if draft_probs is None or q_sums is None:  # (p - onehot(x))+ is p with x removed
                 residual = p_stop.scatter(1, draft_token_ids[rows, j].clamp_min(0)[:, None], 0.0)
             else:
-                q_stop = draft_probs[rows, j]
-                residual = (p_stop - q_stop / q_stop.sum(dim=-1, keepdim=True)).clamp_min_(0.0)
+                residual = (p_stop - draft_probs[rows, j] / q_sums[rows, j][:, None]).clamp_min_(0.0)
             # An all-zero residual means p == q there, where rejection has probability 0.
             residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_stop)
             dist = torch.where((is_rejection & rejected)[:, None], residual, p_stop)

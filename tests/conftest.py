@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import numpy as np
 import pytest
+import torch
 from scipy import stats
 
 from client.launcher import start_service
 
 SERVICE_THREADS = 1  # three test services + the test process share 2 cores
+
+if not torch.cuda.is_available():
+    # Triton kernels run numpy-interpreted on CPU tensors (tests/test_triton_sampler.py). Triton's own
+    # library functions (tl.cumsum, ...) are built at its import, so this must precede any import of it.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from specdec.proposals import IDS_ONLY, Proposal, decode_proposal
 from specdec.sampling import GREEDY, REJECTION, STREAM_VERIFY, SamplingParams, position_uniforms, process_logits, top_logprobs
 from specdec.serving import ServingModel
 from specdec.sessions import Session
-from specdec.verification import PLACEHOLDER_TOKEN_ID, speculative_sample
+from specdec.verification import PLACEHOLDER_TOKEN_ID, resolve_backend, speculative_sample
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +42,20 @@ class _Request:
     append_token_ids: list[int]
     draft_token_ids: list[int]
     q: torch.Tensor | None  # [K, V] proposal; None for greedy, typical or one-hot
+    q_sums: torch.Tensor | None  # [K] row sums of q (a drafter sampling by inverse CDF samples q / sum)
     params: SamplingParams
     prompt_length: int
 
 
 class VerifierEngine(ServingModel):
     role = "verifier"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Checked at start: a "triton" backend without triton or without CUDA is a clear error now,
+        # not a failed batch later.
+        self.sampler_backend = resolve_backend(self.config.sampler_backend, self.lm.device)
+        log.info("sampler backend=%s device=%s", self.sampler_backend, self.lm.device)
 
     def verify(
         self,
@@ -73,7 +81,8 @@ class VerifierEngine(ServingModel):
             if proposal.kind == IDS_ONLY and proposal.shape != (k,):
                 raise InvalidArgument("proposal.shape", f"ids-only proposals are [{k}], got {list(proposal.shape)}")
         with self.sessions.use(session_id, truncate_to, owner) as session:
-            return self.submit(_Request(session, append_token_ids, draft_token_ids, q, params, prompt_length))
+            return self.submit(_Request(session, append_token_ids, draft_token_ids, q,
+                                        None if q is None else q.sum(dim=-1), params, prompt_length))
 
     def _run_batch(self, items: list[WorkItem]) -> None:
         reqs: list[_Request] = [it.payload for it in items]
@@ -87,9 +96,10 @@ class VerifierEngine(ServingModel):
         # Host-built inputs, each copied to the device once.
         drafts = torch.full((b, k_max), PLACEHOLDER_TOKEN_ID, dtype=torch.long)  # [B, K]
         draws = torch.zeros(b, k_max + 1, 2, dtype=torch.float64)  # [B, K + 1, 2]
-        q = None
+        q = q_sums = None
         if any(r.q is not None for r in reqs):
             q = torch.ones(b, k_max, vocab, device=dev)  # rows of requests without q are ignored (one-hot or unused)
+            q_sums = torch.ones(b, k_max)  # [B, K], host-built
         for i, (r, lg) in enumerate(zip(reqs, logits)):
             k = len(r.draft_token_ids)
             first_pos = r.session.length + len(r.append_token_ids)  # absolute position of draft 0
@@ -102,6 +112,7 @@ class VerifierEngine(ServingModel):
             if q is not None:
                 if r.q is not None:
                     q[i, :k] = r.q.to(dev)
+                    q_sums[i, :k] = r.q_sums
                 else:  # one-hot q of an ids-only proposal: (p - q)+ is p without the draft
                     q[i, :k] = 0.0
                     q[i, torch.arange(k), drafts[i, :k].to(dev)] = 1.0
@@ -110,6 +121,7 @@ class VerifierEngine(ServingModel):
             draws.to(dev) if any(r.params.method != GREEDY for r in reqs) else None, [r.params.method for r in reqs],
             torch.tensor([r.params.posterior_threshold for r in reqs], device=dev),
             torch.tensor([r.params.posterior_alpha for r in reqs], device=dev),
+            q_sums=None if q_sums is None else q_sums.to(dev), backend=self.sampler_backend,
         )
         self.stats.add(forwards=1)
         # The batch's only device-to-host transfers: the accepted counts and the emitted ids.

@@ -129,18 +129,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     v.add_argument("--service-threads", type=_positive("--service-threads"), default=2)
     v.add_argument("--json", default=None)
 
-    m = sub.add_parser("sampler", help="batched sampler cost and bytes per proposal form (no services)")
-    m.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when available)")
-    m.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1,16,64 on CPU, 1,64,256 on CUDA)")
-    m.add_argument("--gammas", default=None, help="comma-separated (default: 4 on CPU, 4,8 on CUDA)")
-    m.add_argument("--vocab-sizes", default=None, help="comma-separated (default: 49152 on CPU, 32000,151936 on CUDA)")
-    m.add_argument("--repeat", type=_positive("--repeat"), default=20)
-    m.add_argument("--json", default=None, help="also write the results to this path")
+    from specdec import bench_engine, bench_sampler  # torch is imported by now anyway
 
+    bench_sampler.add_args(sub.add_parser("sampler", help="batched sampler cost and bytes per proposal form "
+                                                          "(no services)"))
     e = sub.add_parser("engine", help="ms per forward step: eager transformers vs the fast path, random weights "
                                       "(no services)")
-    from specdec import bench_engine  # torch is imported by now anyway
-
     bench_engine.add_args(e)
     return bench
 

@@ -1,0 +1,208 @@
+"""Fused Triton kernel for `speculative_sample`: one launch per batch, no host sync.
+
+One program per request walks its drafts (the accept tests), finds the stop position
+n = num_accepted, and draws the final token there: from normalize((p_n - q_n)+) after a
+rejection, from p_n for the bonus, or argmax p_n for greedy rows and for typical rows at a
+rejection. The V-wide work is two streaming passes over one row of p (and q): a pass
+that sums the distribution in float64, then a cumulative-sum pass that stops at the first
+token whose cdf passes u * total. This is FlashInfer's `chain_speculative_sampling`
+structure, with three differences that keep the output identical to the torch path:
+
+  * randomness is the caller's `draws` ([B, K + 1, 2] float64, `counter_uniforms`), so a
+    seeded request gives the same tokens whatever its batch mates and whichever backend
+    ran (FlashInfer draws from one Philox seed / offset per call);
+  * q rows need not be normalized: `q_sums` ([B, K]) divides q as the torch path does;
+  * the token pick is the torch path's inverse CDF (`sample_inverse_cdf`): first i with
+    cdf[i] > u * total in float64, the last token with mass if rounding leaves none.
+The accept test is `u * q(x) < p(x)` (no division by q, no epsilon). Greedy rows compare
+against the target's argmax, and typical rows take their accept mask, from the caller
+(`target_argmax`, `typical_accept`), which computes each only when some row needs it.
+
+Triton is optional: `available()` says whether it imports, and the kernel is built on
+first use. With TRITON_INTERPRET=1 set before that first use, the same kernel runs on CPU
+tensors (numpy-interpreted), which is how the test suite checks it without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+METHOD_CODES = {"greedy": 0, "rejection": 1, "typical": 2}
+BLOCK_V = 2048
+
+
+def available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # not installed, or a broken install
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _kernel(interpret: bool):  # noqa: ARG001 - part of the cache key: the interpreter decides at decoration
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def chain_verify_kernel(
+        target_ptr,  # [B, K + 1, V] float32, processed target distribution p
+        draft_ids_ptr,  # [B, K] int64, -1 past num_draft
+        draft_probs_ptr,  # [B, K, V] float32 proposal q (read only if HAS_Q)
+        q_sums_ptr,  # [B, K] float32 row sums of q (read only if HAS_Q)
+        num_draft_ptr,  # [B] int64
+        draws_ptr,  # [B, K + 1, 2] float64 uniforms: acceptance, token pick
+        method_ptr,  # [B] int32, METHOD_CODES
+        argmax_ptr,  # [B, K + 1] int64 argmax of p (read only if HAS_ARGMAX)
+        typical_ptr,  # [B, K] int8 typical accept mask (read only if HAS_TYPICAL)
+        out_ptr,  # [B, K + 1] int64 out: accepted drafts, final token, -1 padding
+        num_accepted_ptr,  # [B] int64 out
+        K,
+        V,
+        HAS_Q: tl.constexpr,
+        HAS_ARGMAX: tl.constexpr,
+        HAS_TYPICAL: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        method = tl.load(method_ptr + b)
+        nd = tl.load(num_draft_ptr + b)
+        n = nd * 0  # int64 zero: accepted prefix length
+        alive = nd >= 0  # scalar True while every draft so far was accepted
+        for j in range(0, K):
+            x = tl.load(draft_ids_ptr + b * K + j)
+            xs = tl.maximum(x, 0)
+            p_x = tl.load(target_ptr + (b * (K + 1) + j) * V + xs)
+            u = tl.load(draws_ptr + (b * (K + 1) + j) * 2)
+            if HAS_Q:
+                q_x = tl.load(draft_probs_ptr + (b * K + j) * V + xs) / tl.load(q_sums_ptr + b * K + j)
+            else:
+                q_x = p_x * 0.0 + 1.0
+            ok = (u * q_x.to(tl.float64)) < p_x.to(tl.float64)
+            if HAS_ARGMAX:
+                ok = tl.where(method == 0, x == tl.load(argmax_ptr + b * (K + 1) + j), ok)
+            if HAS_TYPICAL:
+                ok = tl.where(method == 2, tl.load(typical_ptr + b * K + j) != 0, ok)
+            alive = alive & ok & (j < nd)
+            n += alive.to(tl.int64)
+
+        rejected = n < nd
+        final = n * 0
+        if HAS_ARGMAX:
+            final = tl.load(argmax_ptr + b * (K + 1) + n)
+        need_sample = (method == 1) | ((method == 2) & (rejected == 0))
+        if need_sample:
+            use_residual = (method == 1) & rejected
+            jq = tl.minimum(n, K - 1)  # the rejected draft's row; unused at the bonus position
+            x_n = tl.maximum(tl.load(draft_ids_ptr + b * K + tl.maximum(jq, 0), mask=K > 0, other=0), 0)
+            row_p = target_ptr + (b * (K + 1) + n) * V
+            row_q = draft_probs_ptr + (b * K + jq) * V
+            q_sum = 1.0
+            if HAS_Q:
+                q_sum = tl.load(q_sums_ptr + b * K + tl.maximum(jq, 0), mask=K > 0, other=1.0)
+            # Pass 1: totals of the residual and of p (the fallback when the residual is all zero,
+            # i.e. p == q there, where a rejection has probability 0), and the last token with
+            # mass of each (the pick when u * total rounds up to the total).
+            total_r = tl.zeros([BLOCK], dtype=tl.float64)
+            total_p = tl.zeros([BLOCK], dtype=tl.float64)
+            last_r = tl.full([BLOCK], -1, dtype=tl.int64)
+            last_p = tl.full([BLOCK], -1, dtype=tl.int64)
+            # (q loads are masked with tl.where(flag, m, False): the interpreter turns a block & a
+            # scalar into int32, which it refuses as a mask)
+            for start in range(0, V, BLOCK):
+                offs = start + tl.arange(0, BLOCK).to(tl.int64)
+                m = offs < V
+                p = tl.load(row_p + offs, mask=m, other=0.0)
+                if HAS_Q:
+                    q = tl.load(row_q + offs, mask=tl.where(use_residual, m, False), other=0.0)
+                    r = tl.maximum(p - q / q_sum, 0.0)
+                else:
+                    r = tl.where(offs == x_n, 0.0, p)
+                total_r += r.to(tl.float64)
+                total_p += p.to(tl.float64)
+                last_r = tl.maximum(last_r, tl.where(m & (r > 0), offs, -1))
+                last_p = tl.maximum(last_p, tl.where(m & (p > 0), offs, -1))
+            use_residual = use_residual & (tl.sum(total_r, axis=0) > 0)
+            total = tl.where(use_residual, tl.sum(total_r, axis=0), tl.sum(total_p, axis=0))
+            last = tl.where(use_residual, tl.max(last_r, axis=0), tl.max(last_p, axis=0))
+            threshold = tl.load(draws_ptr + (b * (K + 1) + n) * 2 + 1) * total
+            # Pass 2: the first token whose cdf passes the threshold; stops at the block holding it.
+            found = V + n * 0
+            running = total * 0.0
+            start = n * 0
+            while (start < V) & (found == V):
+                offs = start + tl.arange(0, BLOCK).to(tl.int64)
+                m = offs < V
+                p = tl.load(row_p + offs, mask=m, other=0.0)
+                if HAS_Q:
+                    q = tl.load(row_q + offs, mask=tl.where(use_residual, m, False), other=0.0)
+                    r = tl.maximum(p - q / q_sum, 0.0)
+                else:
+                    r = tl.where(offs == x_n, 0.0, p)
+                d = tl.where(use_residual, r, p).to(tl.float64)
+                cdf = running + tl.cumsum(d, axis=0)
+                found = tl.minimum(found, tl.min(tl.where(m & (cdf > threshold), offs, V), axis=0))
+                running += tl.sum(d, axis=0)
+                start += BLOCK
+            final = tl.where(found < V, found, last)
+
+        cols = tl.arange(0, 16).to(tl.int64)
+        for c0 in range(0, K + 1, 16):
+            c = c0 + cols
+            d = tl.load(draft_ids_ptr + b * K + c, mask=c < K, other=-1)
+            row = tl.where(c < n, d, -1)
+            row = tl.where(c == n, final, row)
+            tl.store(out_ptr + b * (K + 1) + c, row, mask=c < K + 1)
+        tl.store(num_accepted_ptr + b, n)
+
+    return chain_verify_kernel
+
+
+def chain_verify(
+    target_probs: torch.Tensor,  # [B, K + 1, V] float32
+    draft_token_ids: torch.Tensor,  # [B, K] int64, -1 past num_draft
+    draft_probs: torch.Tensor | None,  # [B, K, V] float32, or None: every q one-hot
+    q_sums: torch.Tensor | None,  # [B, K] float32 row sums of draft_probs (None with it)
+    num_draft: torch.Tensor,  # [B] int64
+    draws: torch.Tensor,  # [B, K + 1, 2] float64
+    method_codes: torch.Tensor,  # [B] int32, METHOD_CODES
+    target_argmax: torch.Tensor | None,  # [B, K + 1] int64, needed if any greedy or typical row
+    typical_accept: torch.Tensor | None,  # [B, K] bool, needed if any typical row
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (output_token_ids [B, K + 1] int64 with -1 padding, num_accepted [B] int64)."""
+    b, k1, v = target_probs.shape
+    k = k1 - 1
+    dev = target_probs.device
+    out = torch.empty(b, k1, dtype=torch.int64, device=dev)
+    num_accepted = torch.empty(b, dtype=torch.int64, device=dev)
+    if b == 0:
+        return out, num_accepted
+    dummy_f = target_probs  # any tensor: a constexpr flag keeps the kernel from reading it
+    _kernel(interpreting())[(b,)](
+        target_probs.contiguous(),
+        draft_token_ids.to(torch.int64).contiguous(),
+        dummy_f if draft_probs is None else draft_probs.to(torch.float32).contiguous(),
+        dummy_f if q_sums is None else q_sums.to(torch.float32).contiguous(),
+        num_draft.to(torch.int64).contiguous(),
+        draws.to(torch.float64).contiguous(),
+        method_codes.to(torch.int32).contiguous(),
+        out if target_argmax is None else target_argmax.to(torch.int64).contiguous(),
+        out if typical_accept is None else typical_accept.to(torch.int8).contiguous(),
+        out,
+        num_accepted,
+        k,
+        v,
+        HAS_Q=draft_probs is not None,
+        HAS_ARGMAX=target_argmax is not None,
+        HAS_TYPICAL=typical_accept is not None,
+        BLOCK=BLOCK_V,
+        num_warps=8,
+    )
+    return out, num_accepted
