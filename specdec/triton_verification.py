@@ -14,7 +14,9 @@ structure, with three differences that keep the output identical to the torch pa
   * q rows need not be normalized: `q_sums` ([B, K]) divides q as the torch path does;
   * the token pick is the torch path's inverse CDF (`sample_inverse_cdf`): first i with
     cdf[i] > u * total in float64, the last token with mass if rounding leaves none.
-The accept test is `u * q(x) < p(x)` (no division by q, no epsilon). Greedy rows compare
+The accept test is `u * q(x) < p(x)` (no division by q, no epsilon). q / q_sums uses
+`div_rn` (IEEE round-to-nearest, as torch divides; Triton's `/` on float32 is approximate),
+so the residual has the torch path's bits. Greedy rows compare
 against the target's argmax, and typical rows take their accept mask, from the caller
 (`target_argmax`, `typical_accept`), which computes each only when some row needs it.
 
@@ -31,7 +33,12 @@ import os
 import torch
 
 METHOD_CODES = {"greedy": 0, "rejection": 1, "typical": 2}
-BLOCK_V = 2048
+# (BLOCK over V, warps) per program. Fewer requests than SMs: each program has an SM to itself, so
+# it streams wide blocks (16 warps, 110 registers on sm_90). More: 1024-wide blocks at 82 registers
+# fit three programs per SM. Chosen from ptxas resource usage, not yet tuned on a GPU.
+WIDE, NARROW = (2048, 16), (1024, 8)
+# No fused multiply-adds: every product and sum rounds as torch's separate ops do.
+FP_OPTIONS = {"enable_fp_fusion": False}
 
 
 def available() -> bool:
@@ -47,11 +54,12 @@ def interpreting() -> bool:
 
 
 @functools.cache
-def _kernel(interpret: bool):  # noqa: ARG001 - part of the cache key: the interpreter decides at decoration
-    import triton
+def _kernel(interpret: bool):
+    """The kernel, compiled (JITFunction) or numpy-interpreted, whatever TRITON_INTERPRET says now."""
     import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
 
-    @triton.jit
     def chain_verify_kernel(
         target_ptr,  # [B, K + 1, V] float32, processed target distribution p
         draft_ids_ptr,  # [B, K] int64, -1 past num_draft
@@ -82,7 +90,7 @@ def _kernel(interpret: bool):  # noqa: ARG001 - part of the cache key: the inter
             p_x = tl.load(target_ptr + (b * (K + 1) + j) * V + xs)
             u = tl.load(draws_ptr + (b * (K + 1) + j) * 2)
             if HAS_Q:
-                q_x = tl.load(draft_probs_ptr + (b * K + j) * V + xs) / tl.load(q_sums_ptr + b * K + j)
+                q_x = tl.math.div_rn(tl.load(draft_probs_ptr + (b * K + j) * V + xs), tl.load(q_sums_ptr + b * K + j))
             else:
                 q_x = p_x * 0.0 + 1.0
             ok = (u * q_x.to(tl.float64)) < p_x.to(tl.float64)
@@ -101,12 +109,13 @@ def _kernel(interpret: bool):  # noqa: ARG001 - part of the cache key: the inter
         if need_sample:
             use_residual = (method == 1) & rejected
             jq = tl.minimum(n, K - 1)  # the rejected draft's row; unused at the bonus position
-            x_n = tl.maximum(tl.load(draft_ids_ptr + b * K + tl.maximum(jq, 0), mask=K > 0, other=0), 0)
+            # K == 0: jq = -1 and nothing of q or the drafts is read (the drafts tensor is empty).
+            x_n = tl.maximum(tl.load(draft_ids_ptr + b * K + tl.maximum(jq, 0), mask=jq >= 0, other=0), 0)
             row_p = target_ptr + (b * (K + 1) + n) * V
             row_q = draft_probs_ptr + (b * K + jq) * V
             q_sum = 1.0
             if HAS_Q:
-                q_sum = tl.load(q_sums_ptr + b * K + tl.maximum(jq, 0), mask=K > 0, other=1.0)
+                q_sum = tl.load(q_sums_ptr + b * K + tl.maximum(jq, 0), mask=jq >= 0, other=1.0)
             # Pass 1: totals of the residual and of p (the fallback when the residual is all zero,
             # i.e. p == q there, where a rejection has probability 0), and the last token with
             # mass of each (the pick when u * total rounds up to the total).
@@ -122,7 +131,7 @@ def _kernel(interpret: bool):  # noqa: ARG001 - part of the cache key: the inter
                 p = tl.load(row_p + offs, mask=m, other=0.0)
                 if HAS_Q:
                     q = tl.load(row_q + offs, mask=tl.where(use_residual, m, False), other=0.0)
-                    r = tl.maximum(p - q / q_sum, 0.0)
+                    r = tl.maximum(p - tl.math.div_rn(q, q_sum), 0.0)
                 else:
                     r = tl.where(offs == x_n, 0.0, p)
                 total_r += r.to(tl.float64)
@@ -143,7 +152,7 @@ def _kernel(interpret: bool):  # noqa: ARG001 - part of the cache key: the inter
                 p = tl.load(row_p + offs, mask=m, other=0.0)
                 if HAS_Q:
                     q = tl.load(row_q + offs, mask=tl.where(use_residual, m, False), other=0.0)
-                    r = tl.maximum(p - q / q_sum, 0.0)
+                    r = tl.maximum(p - tl.math.div_rn(q, q_sum), 0.0)
                 else:
                     r = tl.where(offs == x_n, 0.0, p)
                 d = tl.where(use_residual, r, p).to(tl.float64)
@@ -162,7 +171,28 @@ def _kernel(interpret: bool):  # noqa: ARG001 - part of the cache key: the inter
             tl.store(out_ptr + b * (K + 1) + c, row, mask=c < K + 1)
         tl.store(num_accepted_ptr + b, n)
 
-    return chain_verify_kernel
+    return InterpretedFunction(chain_verify_kernel) if interpret else JITFunction(chain_verify_kernel)
+
+
+def launch_config(batch_size: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK, num_warps) for a batch: WIDE while the batch leaves SMs idle, else NARROW."""
+    if device.type != "cuda":
+        return WIDE
+    return WIDE if batch_size < torch.cuda.get_device_properties(device).multi_processor_count else NARROW
+
+
+def compile_for(arch: int, has_q: bool, has_argmax: bool, has_typical: bool, config: tuple[int, int] = WIDE):
+    """Ahead-of-time compile to a cubin for sm_<arch> (Triton ships ptxas; no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    pointers = ["*fp32", "*i64", "*fp32", "*fp32", "*i64", "*fp64", "*i32", "*i64", "*i8", "*i64", "*i64"]
+    kernel = _kernel(False)
+    names = kernel.arg_names
+    signature = dict(zip(names, pointers + ["i32", "i32"] + ["constexpr"] * 4))
+    constexprs = {"HAS_Q": has_q, "HAS_ARGMAX": has_argmax, "HAS_TYPICAL": has_typical, "BLOCK": config[0]}
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": config[1], **FP_OPTIONS})
 
 
 def chain_verify(
@@ -185,6 +215,7 @@ def chain_verify(
     if b == 0:
         return out, num_accepted
     dummy_f = target_probs  # any tensor: a constexpr flag keeps the kernel from reading it
+    block, num_warps = launch_config(b, dev)
     _kernel(interpreting())[(b,)](
         target_probs.contiguous(),
         draft_token_ids.to(torch.int64).contiguous(),
@@ -202,7 +233,8 @@ def chain_verify(
         HAS_Q=draft_probs is not None,
         HAS_ARGMAX=target_argmax is not None,
         HAS_TYPICAL=typical_accept is not None,
-        BLOCK=BLOCK_V,
-        num_warps=8,
+        BLOCK=block,
+        num_warps=num_warps,
+        **FP_OPTIONS,
     )
     return out, num_accepted

@@ -173,11 +173,14 @@ def speculative_sample(
         typical = _typical_accept(target_probs, draft_token_ids, posterior_threshold.to(device),
                                   posterior_alpha.to(device))  # [B, K]
     if resolve_backend(backend, device) == "triton":
-        codes = torch.tensor([triton_verification.METHOD_CODES[m] for m in methods], dtype=torch.int32)
+        if len(set(methods)) == 1:  # one rule for the batch: a device fill, no host-to-device copy
+            codes = torch.full((b,), triton_verification.METHOD_CODES[methods[0]], dtype=torch.int32, device=device)
+        else:
+            codes = torch.tensor([triton_verification.METHOD_CODES[m] for m in methods], dtype=torch.int32).to(device)
         out, n = triton_verification.chain_verify(
             target_probs, draft_token_ids, draft_probs, q_sums, num_draft.to(device),
             torch.zeros(b, k + 1, 2, dtype=torch.float64, device=device) if draws is None else draws,
-            codes.to(device), target_argmax, typical)
+            codes, target_argmax, typical)
         return VerifyOutput(output_token_ids=out, num_accepted=n, num_emitted=n + 1)
 
     is_rejection = torch.tensor([m == REJECTION for m in methods], dtype=torch.bool, device=device)  # [B]

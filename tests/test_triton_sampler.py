@@ -11,6 +11,7 @@ kernel emits the same tokens for the same draws, over ragged, mixed-method batch
 from __future__ import annotations
 
 import collections
+import os
 
 import pytest
 import torch
@@ -75,6 +76,14 @@ def test_kernel_emits_the_torch_paths_tokens_for_mixed_ragged_batches(b, k, v, c
         assert int((ref.num_accepted == num_draft).sum()) >= b // 4
     if k and closeness <= 0.3:
         assert int((ref.num_accepted < num_draft).sum()) >= b // 4
+
+
+def test_the_narrow_block_config_emits_the_same_tokens(monkeypatch):
+    """Large batches on a GPU run 1024-wide blocks: same tokens as the torch path."""
+    monkeypatch.setattr(triton_verification, "launch_config", lambda b, device: triton_verification.NARROW)
+    p, drafts, q, num_draft, draws = _batch(5, 24, 4, 3001, 0.7, True)
+    ref, out = _both(p, drafts, q, num_draft, draws, [METHODS[i % 3] for i in range(24)])
+    assert torch.equal(out.output_token_ids, ref.output_token_ids)
 
 
 def test_kernel_handles_an_all_greedy_batch_without_draws():
@@ -210,3 +219,29 @@ def test_bench_sampler_prints_ours_beside_plain_torch(tmp_path):
     for r in rows:
         assert r["rejection_dense_q_us"] > 0 and r["plain_torch_us"] > 0 and r["triton_dense_q_us"] is None
         assert r["plain_over_ours"] == pytest.approx(r["plain_torch_us"] / r["rejection_dense_q_us"], rel=0.01)
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_kernel_compiles_to_a_cubin_for_a100_and_h100(arch):
+    """The compiled path, not just the interpreter: every flag combination and block config lowers through
+    Triton's GPU pipeline to ptxas and a cubin for sm_80 / sm_90, which needs no GPU. (In a
+    subprocess: Triton builds its own library functions for the interpreter when
+    TRITON_INTERPRET is set at its import, and then cannot compile.)"""
+    import subprocess
+    import sys
+
+    code = f"""
+import itertools, re
+from specdec import triton_verification as tv
+for *flags, config in itertools.product([False, True], [False, True], [False, True], [tv.WIDE, tv.NARROW]):
+    c = tv.compile_for({arch}, *flags, config=config)
+    ptx = c.asm["ptx"]
+    assert c.asm["cubin"] and ".target sm_{arch}" in ptx, flags
+    # the residual's q / sum(q) rounds as torch's division does
+    assert ("div.rn.f32" in ptx) == flags[0] and "div.full.f32" not in ptx, flags
+    print("ok", flags, len(c.asm["cubin"]))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("ok") == 16
