@@ -6,7 +6,9 @@ rejection, from p_n for the bonus, or argmax p_n for greedy rows and for typical
 rejection. The V-wide work is two streaming passes over one row of p (and q): a pass
 that sums the distribution in float64, then a cumulative-sum pass that stops at the first
 token whose cdf passes u * total. This is FlashInfer's `chain_speculative_sampling`
-structure, with three differences that keep the output identical to the torch path:
+structure, with three differences that make the output the torch path's (identical up to
+float64 summation order: the kernel sums in blocks, torch sequentially, so a draw within
+~1e-16 of a cdf boundary, about V * 2^-52 per draw, could pick the neighbouring token):
 
   * randomness is the caller's `draws` ([B, K + 1, 2] float64, `counter_uniforms`), so a
     seeded request gives the same tokens whatever its batch mates and whichever backend
@@ -77,29 +79,32 @@ def _kernel(interpret: bool):
         HAS_Q: tl.constexpr,
         HAS_ARGMAX: tl.constexpr,
         HAS_TYPICAL: tl.constexpr,
+        KPAD: tl.constexpr,  # next power of two >= max(K, 1)
         BLOCK: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         method = tl.load(method_ptr + b)
         nd = tl.load(num_draft_ptr + b)
-        n = nd * 0  # int64 zero: accepted prefix length
-        alive = nd >= 0  # scalar True while every draft so far was accepted
-        for j in range(0, K):
-            x = tl.load(draft_ids_ptr + b * K + j)
-            xs = tl.maximum(x, 0)
-            p_x = tl.load(target_ptr + (b * (K + 1) + j) * V + xs)
-            u = tl.load(draws_ptr + (b * (K + 1) + j) * 2)
-            if HAS_Q:
-                q_x = tl.math.div_rn(tl.load(draft_probs_ptr + (b * K + j) * V + xs), tl.load(q_sums_ptr + b * K + j))
-            else:
-                q_x = p_x * 0.0 + 1.0
-            ok = (u * q_x.to(tl.float64)) < p_x.to(tl.float64)
-            if HAS_ARGMAX:
-                ok = tl.where(method == 0, x == tl.load(argmax_ptr + b * (K + 1) + j), ok)
-            if HAS_TYPICAL:
-                ok = tl.where(method == 2, tl.load(typical_ptr + b * K + j) != 0, ok)
-            alive = alive & ok & (j < nd)
-            n += alive.to(tl.int64)
+        # Every draft's accept test at once ([KPAD] lanes, past K masked): one round of gathers
+        # instead of K dependent ones.
+        js = tl.arange(0, KPAD).to(tl.int64)
+        in_k = js < K
+        x = tl.load(draft_ids_ptr + b * K + js, mask=in_k, other=0)
+        xs = tl.maximum(x, 0)
+        p_x = tl.load(target_ptr + (b * (K + 1) + js) * V + xs, mask=in_k, other=0.0)
+        u = tl.load(draws_ptr + (b * (K + 1) + js) * 2, mask=in_k, other=1.0)
+        if HAS_Q:
+            q_x = tl.math.div_rn(tl.load(draft_probs_ptr + (b * K + js) * V + xs, mask=in_k, other=1.0),
+                                 tl.load(q_sums_ptr + b * K + js, mask=in_k, other=1.0))
+        else:
+            q_x = tl.full([KPAD], 1.0, dtype=tl.float32)
+        ok = (u * q_x.to(tl.float64)) < p_x.to(tl.float64)
+        if HAS_ARGMAX:
+            ok = tl.where(method == 0, x == tl.load(argmax_ptr + b * (K + 1) + js, mask=in_k, other=-2), ok)
+        if HAS_TYPICAL:
+            ok = tl.where(method == 2, tl.load(typical_ptr + b * K + js, mask=in_k, other=0) != 0, ok)
+        # n = num_accepted: the first draft j < num_draft that fails its test, else num_draft.
+        n = tl.min(tl.where(js < nd, tl.where(ok, nd, js), nd), axis=0)
 
         rejected = n < nd
         final = n * 0
@@ -181,7 +186,8 @@ def launch_config(batch_size: int, device: torch.device) -> tuple[int, int]:
     return WIDE if batch_size < torch.cuda.get_device_properties(device).multi_processor_count else NARROW
 
 
-def compile_for(arch: int, has_q: bool, has_argmax: bool, has_typical: bool, config: tuple[int, int] = WIDE):
+def compile_for(arch: int, has_q: bool, has_argmax: bool, has_typical: bool, config: tuple[int, int] = WIDE,
+                kpad: int = 8):
     """Ahead-of-time compile to a cubin for sm_<arch> (Triton ships ptxas; no GPU needed)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -189,8 +195,9 @@ def compile_for(arch: int, has_q: bool, has_argmax: bool, has_typical: bool, con
     pointers = ["*fp32", "*i64", "*fp32", "*fp32", "*i64", "*fp64", "*i32", "*i64", "*i8", "*i64", "*i64"]
     kernel = _kernel(False)
     names = kernel.arg_names
-    signature = dict(zip(names, pointers + ["i32", "i32"] + ["constexpr"] * 4))
-    constexprs = {"HAS_Q": has_q, "HAS_ARGMAX": has_argmax, "HAS_TYPICAL": has_typical, "BLOCK": config[0]}
+    signature = dict(zip(names, pointers + ["i32", "i32"] + ["constexpr"] * 5))
+    constexprs = {"HAS_Q": has_q, "HAS_ARGMAX": has_argmax, "HAS_TYPICAL": has_typical, "KPAD": kpad,
+                  "BLOCK": config[0]}
     source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": config[1], **FP_OPTIONS})
 
@@ -207,6 +214,8 @@ def chain_verify(
     typical_accept: torch.Tensor | None,  # [B, K] bool, needed if any typical row
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (output_token_ids [B, K + 1] int64 with -1 padding, num_accepted [B] int64)."""
+    import triton
+
     b, k1, v = target_probs.shape
     k = k1 - 1
     dev = target_probs.device
@@ -233,6 +242,7 @@ def chain_verify(
         HAS_Q=draft_probs is not None,
         HAS_ARGMAX=target_argmax is not None,
         HAS_TYPICAL=typical_accept is not None,
+        KPAD=triton.next_power_of_2(max(k, 1)),
         BLOCK=block,
         num_warps=num_warps,
         **FP_OPTIONS,

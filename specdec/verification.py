@@ -112,6 +112,18 @@ def _typical_accept(
     return p_draft > threshold
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device`; on CUDA through pinned memory, so the copy does not
+    make the host wait for the work queued before it (a pageable copy synchronizes)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+def _rows_with(methods: list[str], wanted: set[str], device: torch.device) -> torch.Tensor | None:
+    """[R] int64 indices of the rows whose method is in `wanted`; None when that is every row."""
+    rows = [i for i, m in enumerate(methods) if m in wanted]
+    return None if len(rows) == len(methods) else _to_device(torch.tensor(rows, dtype=torch.long), device)
+
+
 SAMPLER_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -152,7 +164,8 @@ def speculative_sample(
       typical:   argmax p_n if a draft was rejected, a sample of p_n for the bonus.
     So the V-wide work (residual, cumulative sum) is done once per request, not K + 1 times.
     The "triton" backend fuses the accept loop and that draw into one kernel
-    (`specdec.triton_verification`); both backends give the same tokens for the same draws.
+    (`specdec.triton_verification`); both backends give the same tokens for the same draws
+    (up to float64 summation order in the token pick, ~V * 2^-52 per draw).
     """
     device = target_probs.device
     b, k = draft_token_ids.shape
@@ -166,25 +179,38 @@ def speculative_sample(
     if TYPICAL in present and (posterior_threshold is None or posterior_alpha is None):
         raise ValueError("typical rows need posterior_threshold and posterior_alpha")
     if draft_probs is not None and q_sums is None:
-        q_sums = draft_probs.sum(dim=-1)  # [B, K]
-    target_argmax = target_probs.argmax(dim=-1) if present & {GREEDY, TYPICAL} else None  # [B, K + 1]
-    typical = None
+        q_sums = draft_probs.sum(dim=-1)  # [B, K]: a full read of q; the verifier passes them
+    # The target's argmax (greedy rows; typical rows at a rejection) and typical's entropy test read
+    # whole [K + 1, V] rows: computed for the rows that use them only.
+    target_argmax = typical = None
+    if present & {GREEDY, TYPICAL}:
+        rows = _rows_with(methods, {GREEDY, TYPICAL}, device)
+        if rows is None:
+            target_argmax = target_probs.argmax(dim=-1)  # [B, K + 1]
+        else:
+            target_argmax = torch.zeros(b, k + 1, dtype=torch.long, device=device).index_copy_(
+                0, rows, target_probs.index_select(0, rows).argmax(dim=-1))
     if TYPICAL in present:
-        typical = _typical_accept(target_probs, draft_token_ids, posterior_threshold.to(device),
-                                  posterior_alpha.to(device))  # [B, K]
+        rows = _rows_with(methods, {TYPICAL}, device)
+        pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
+        accept = _typical_accept(pick(target_probs), pick(draft_token_ids), pick(posterior_threshold.to(device)),
+                                 pick(posterior_alpha.to(device)))
+        typical = accept if rows is None else \
+            torch.zeros(b, k, dtype=torch.bool, device=device).index_copy_(0, rows, accept)  # [B, K]
     if resolve_backend(backend, device) == "triton":
         if len(set(methods)) == 1:  # one rule for the batch: a device fill, no host-to-device copy
             codes = torch.full((b,), triton_verification.METHOD_CODES[methods[0]], dtype=torch.int32, device=device)
         else:
-            codes = torch.tensor([triton_verification.METHOD_CODES[m] for m in methods], dtype=torch.int32).to(device)
+            codes = _to_device(torch.tensor([triton_verification.METHOD_CODES[m] for m in methods],
+                                            dtype=torch.int32), device)
         out, n = triton_verification.chain_verify(
             target_probs, draft_token_ids, draft_probs, q_sums, num_draft.to(device),
             torch.zeros(b, k + 1, 2, dtype=torch.float64, device=device) if draws is None else draws,
             codes, target_argmax, typical)
         return VerifyOutput(output_token_ids=out, num_accepted=n, num_emitted=n + 1)
 
-    is_rejection = torch.tensor([m == REJECTION for m in methods], dtype=torch.bool, device=device)  # [B]
-    is_typical = torch.tensor([m == TYPICAL for m in methods], dtype=torch.bool, device=device)
+    is_rejection = _to_device(torch.tensor([m == REJECTION for m in methods], dtype=torch.bool), device)  # [B]
+    is_typical = _to_device(torch.tensor([m == TYPICAL for m in methods], dtype=torch.bool), device)
     accept = torch.zeros(b, k, dtype=torch.bool, device=device)  # [B, K]
     if target_argmax is not None:
         accept = draft_token_ids == target_argmax[:, :k]

@@ -5,7 +5,9 @@ conftest sets TRITON_INTERPRET=1 and Triton runs the same kernel on CPU tensors
 (numpy-interpreted), so these tests check its logic; its speed is `specdec bench sampler
 --device cuda`'s business. The torch path is the one the statistical tests of every
 sampling mode prove lossless (tests/test_sampling_modes.py), so the main check is that the
-kernel emits the same tokens for the same draws, over ragged, mixed-method batches.
+kernel emits the same tokens for the same draws, over ragged, mixed-method batches. (Equal
+up to float64 summation order: a draw within ~1e-16 of a cdf boundary could differ, about
+V * 2^-52 per draw, never seen with these seeds.)
 """
 
 from __future__ import annotations
@@ -111,7 +113,10 @@ def test_all_zero_residual_falls_back_to_p_in_both_backends():
     assert bool((ref.output_token_ids[rejected, 0] >= 0).all())
 
 
-def test_a_draw_that_rounds_up_to_the_total_picks_the_last_token_with_mass():
+def test_a_draw_just_below_one_picks_the_last_token_with_mass():
+    """Never a massless tail token. (The kernel sums in blocks, torch sequentially: when its cdf
+    ends a hair below u * total, the kernel falls back to the last token with mass, which is
+    the torch path's pick there too.)"""
     p = torch.zeros(3, 1, 5000)
     p[:, 0, [10, 2500, 4200]] = torch.tensor([0.2, 0.3, 0.5])  # the tail past 4200 has no mass
     draws = torch.full((3, 1, 2), 1.0 - 2.0 ** -53, dtype=torch.float64)
@@ -240,8 +245,11 @@ for *flags, config in itertools.product([False, True], [False, True], [False, Tr
     # the residual's q / sum(q) rounds as torch's division does
     assert ("div.rn.f32" in ptx) == flags[0] and "div.full.f32" not in ptx, flags
     print("ok", flags, len(c.asm["cubin"]))
+for kpad in (1, 16):  # gamma 1 and up to 16 drafts
+    assert tv.compile_for({arch}, True, True, True, kpad=kpad).asm["cubin"]
+    print("ok kpad", kpad)
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("ok") == 16
+    assert out.stdout.count("ok") == 18

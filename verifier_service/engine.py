@@ -86,43 +86,50 @@ class VerifierEngine(ServingModel):
 
     def _run_batch(self, items: list[WorkItem]) -> None:
         reqs: list[_Request] = [it.payload for it in items]
-        logits = self.lm.forward_rows(  # B x [K_b + 1, V]
-            [Row(r.session.cache, r.append_token_ids + r.draft_token_ids, len(r.draft_token_ids) + 1) for r in reqs])
         vocab = self.lm.vocab_size
         k_max = max(len(r.draft_token_ids) for r in reqs)
         b = len(reqs)
-        dev = logits[0].device  # the sampler runs where the logits are: on a GPU, no copy of [B, K + 1, V] back
-        target = torch.zeros(b, k_max + 1, vocab, device=dev)  # [B, K + 1, V]; rows past K_b + 1 are never read
-        # Host-built inputs, each copied to the device once.
+        dev = self.lm.device  # the sampler runs where the logits are: on a GPU, no copy of [B, K + 1, V] back
+        # The sampler's host-built inputs, copied to the device before the forward is queued, so
+        # that the copies wait for nothing and the sampler is queued right behind the forward.
         drafts = torch.full((b, k_max), PLACEHOLDER_TOKEN_ID, dtype=torch.long)  # [B, K]
         draws = torch.zeros(b, k_max + 1, 2, dtype=torch.float64)  # [B, K + 1, 2]
         q = q_sums = None
         if any(r.q is not None for r in reqs):
-            q = torch.ones(b, k_max, vocab, device=dev)  # rows of requests without q are ignored (one-hot or unused)
-            q_sums = torch.ones(b, k_max)  # [B, K], host-built
-        for i, (r, lg) in enumerate(zip(reqs, logits)):
+            q = torch.ones(b, k_max, vocab)  # [B, K, V]; rows of requests without q are ignored (one-hot or unused)
+            q_sums = torch.ones(b, k_max)  # [B, K]
+        for i, r in enumerate(reqs):
             k = len(r.draft_token_ids)
             first_pos = r.session.length + len(r.append_token_ids)  # absolute position of draft 0
-            ctx = self.token_context(r.session.tokens + r.append_token_ids, r.prompt_length)
-            target[i, : k + 1] = process_logits(lg, r.params, ctx, r.draft_token_ids)  # [K_b + 1, V]
             drafts[i, :k] = torch.tensor(r.draft_token_ids, dtype=torch.long)
             if r.params.method != GREEDY:
                 draws[i, : k + 1] = position_uniforms(r.session.seed_for(r.params), STREAM_VERIFY,
                                                       list(range(first_pos, first_pos + k + 1)))
             if q is not None:
                 if r.q is not None:
-                    q[i, :k] = r.q.to(dev)
+                    q[i, :k] = r.q
                     q_sums[i, :k] = r.q_sums
                 else:  # one-hot q of an ids-only proposal: (p - q)+ is p without the draft
                     q[i, :k] = 0.0
-                    q[i, torch.arange(k), drafts[i, :k].to(dev)] = 1.0
-        out = speculative_sample(
-            target, drafts.to(dev), q, torch.tensor([len(r.draft_token_ids) for r in reqs], device=dev),
-            draws.to(dev) if any(r.params.method != GREEDY for r in reqs) else None, [r.params.method for r in reqs],
-            torch.tensor([r.params.posterior_threshold for r in reqs], device=dev),
-            torch.tensor([r.params.posterior_alpha for r in reqs], device=dev),
-            q_sums=None if q_sums is None else q_sums.to(dev), backend=self.sampler_backend,
+                    q[i, torch.arange(k), drafts[i, :k]] = 1.0
+        random_rows = any(r.params.method != GREEDY for r in reqs)
+        sampler_args = dict(
+            draft_token_ids=drafts.to(dev),
+            draft_probs=None if q is None else q.to(dev),
+            num_draft=torch.tensor([len(r.draft_token_ids) for r in reqs]).to(dev),
+            draws=draws.to(dev) if random_rows else None,
+            methods=[r.params.method for r in reqs],
+            posterior_threshold=torch.tensor([r.params.posterior_threshold for r in reqs]).to(dev),
+            posterior_alpha=torch.tensor([r.params.posterior_alpha for r in reqs]).to(dev),
+            q_sums=None if q_sums is None else q_sums.to(dev),
         )
+        logits = self.lm.forward_rows(  # B x [K_b + 1, V]
+            [Row(r.session.cache, r.append_token_ids + r.draft_token_ids, len(r.draft_token_ids) + 1) for r in reqs])
+        target = torch.zeros(b, k_max + 1, vocab, device=dev)  # [B, K + 1, V]; rows past K_b + 1 are never read
+        for i, (r, lg) in enumerate(zip(reqs, logits)):
+            ctx = self.token_context(r.session.tokens + r.append_token_ids, r.prompt_length)
+            target[i, : len(r.draft_token_ids) + 1] = process_logits(lg, r.params, ctx, r.draft_token_ids)
+        out = speculative_sample(target, backend=self.sampler_backend, **sampler_args)
         self.stats.add(forwards=1)
         # The batch's only device-to-host transfers: the accepted counts and the emitted ids.
         accepted, rows = out.num_accepted.tolist(), out.output_token_ids.tolist()
