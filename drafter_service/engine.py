@@ -80,6 +80,11 @@ class Drafter(ServingModel):
         raise NotImplementedError
 
 
+def _read_tokens(tokens: list[torch.Tensor]) -> list[int]:
+    """The step's drafted tokens (0-dim tensors, one per row) in one device-to-host transfer."""
+    return torch.stack(tokens).tolist() if tokens else []
+
+
 class DrafterEngine(Drafter):
     speculation: SpeculationCache | None = None  # set after the engine thread has started
 
@@ -118,14 +123,18 @@ class DrafterEngine(Drafter):
         while stepped:
             logits = self.lm.forward_rows([Row(r.session.cache, r.pending, 1) for r in stepped])  # [1, V] each
             forwards += 1
+            drafting = []
             for r, row_logits in zip(stepped, logits):
                 r.session.tokens.extend(r.pending)
                 r.pending = []
                 if len(r.drafts) < r.num_draft_tokens:
-                    r.drafts.append(self._draft_token(r.session.tokens, r.key, r.builder, row_logits))
-                    # Every draft but the last is appended, so the next step drafts after it.
-                    if len(r.drafts) < r.num_draft_tokens:
-                        r.pending = [r.drafts[-1]]
+                    drafting.append((r, self._propose(r.session.tokens, r.key, r.builder, row_logits)))
+            for (r, _), token in zip(drafting, _read_tokens([t for _, t in drafting])):
+                r.builder.commit(token)
+                r.drafts.append(token)
+                # Every draft but the last is appended, so the next step drafts after it.
+                if len(r.drafts) < r.num_draft_tokens:
+                    r.pending = [token]
             stepped = [r for r in stepped if r.pending]
         for item, r in zip(items, reqs):
             try:
@@ -136,16 +145,17 @@ class DrafterEngine(Drafter):
                 item.future.set_exception(exc)
         self.stats.add(forwards=forwards)
 
-    def _draft_token(self, tokens: list[int], key: tuple, builder: ProposalBuilder, logits: torch.Tensor) -> int:
-        """One draft after `tokens` from logits [1, V]; penalties see the committed tokens and
-        the drafts before it, as the verifier's will. key: (params, prompt_length, format, seed)."""
+    def _propose(self, tokens: list[int], key: tuple, builder: ProposalBuilder, logits: torch.Tensor) -> torch.Tensor:
+        """One draft after `tokens` from logits [1, V], as a 0-dim tensor on their device (read back
+        with the step's other rows, then committed); penalties see the committed tokens and the
+        drafts before it, as the verifier's will. key: (params, prompt_length, format, seed)."""
         params, prompt_length, _, seed = key
         probs = process_logits(logits, params, self.token_context(tokens, prompt_length))  # [1, V]
-        argmax = int(torch.argmax(probs[0]))
+        argmax = torch.argmax(probs[0])
         if params.greedy:
-            return builder.sample(None, None, argmax)
+            return builder.propose(None, None, argmax)
         u = position_uniforms(seed, STREAM_DRAFT, [len(tokens)])[0, 1]  # len(tokens): this draft's position
-        return builder.sample(probs[0], u, argmax)
+        return builder.propose(probs[0], u, argmax)
 
     # ---- speculation cache ----------------------------------------------------------
 
@@ -196,11 +206,15 @@ class DrafterEngine(Drafter):
                 for job, br in work]
         try:
             logits = self.lm.forward_rows(rows)
+            advancing = []
             for (job, branch), row_logits in zip(work, logits):
                 if branch is None:
                     self._start_branches(job, row_logits)
                 else:
-                    self._advance(job, branch, row_logits)
+                    branch.tokens.extend(branch.pending)
+                    advancing.append((job, branch, self._propose(branch.tokens, job.key, branch.builder, row_logits)))
+            for (job, branch, _), token in zip(advancing, _read_tokens([t for _, _, t in advancing])):
+                self._advance(job, branch, token)
         except Exception:  # noqa: BLE001 - a failed speculation only loses its branches
             log.exception("speculation step failed; dropping its jobs")
             for job, _ in work:
@@ -219,10 +233,10 @@ class DrafterEngine(Drafter):
             self.lm.crop(probe.slot, len(job.prefix))
         self.speculation.start(job, candidates, lambda: ProposalBuilder(fmt, self.lm.vocab_size))
 
-    def _advance(self, job: SpeculationJob, branch: Branch, logits: torch.Tensor) -> None:
-        branch.tokens.extend(branch.pending)
-        branch.drafts.append(self._draft_token(branch.tokens, job.key, branch.builder, logits))
-        branch.pending = [] if branch.done(job.gamma) else [branch.drafts[-1]]
+    def _advance(self, job: SpeculationJob, branch: Branch, token: int) -> None:
+        branch.builder.commit(token)
+        branch.drafts.append(token)
+        branch.pending = [] if branch.done(job.gamma) else [token]
         self.speculation.stats.draft_tokens += 1
 
     def _finish(self, r: _Request) -> DraftOut:

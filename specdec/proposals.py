@@ -86,24 +86,35 @@ class ProposalBuilder:
         self._ids: list[torch.Tensor] = []
         self._tokens: list[int] = []
 
-    def sample(self, probs: torch.Tensor | None, u: float | torch.Tensor | None, argmax: int) -> int:
+    def sample(self, probs: torch.Tensor | None, u: float | torch.Tensor | None, argmax: int | torch.Tensor) -> int:
         """probs: [V] processed q (None for greedy); u: a uniform in [0, 1) that picks the
         token by inverse CDF of the row as sent; argmax: the processed distribution's argmax."""
+        token = int(self.propose(probs, u, argmax))
+        self.commit(token)
+        return token
+
+    def propose(self, probs: torch.Tensor | None, u: float | torch.Tensor | None,
+                argmax: int | torch.Tensor) -> torch.Tensor:
+        """`sample` without reading the token back: a 0-dim int64 tensor on probs' device, so a
+        drafter stepping many rows reads all their tokens in one transfer; `commit` it then."""
         if self.fmt.kind == IDS_ONLY or probs is None:
-            token = argmax  # a deterministic proposal is exactly a one-hot q
-        elif self.fmt.kind == DENSE:
+            return torch.as_tensor(argmax)  # a deterministic proposal is exactly a one-hot q
+        u = torch.as_tensor(u, dtype=torch.float64)
+        if self.fmt.kind == DENSE:
             row = probs.to(_WIRE_DTYPES[self.fmt.dtype])
-            token = int(sample_inverse_cdf(row.float(), torch.as_tensor(u, dtype=torch.float64)))
-            self._rows.append(row)
+            token = sample_inverse_cdf(row.float(), u)
         else:
             n = min(self.fmt.top_n, probs.shape[-1])
             top_probs, top_ids = torch.topk(probs, n)
             row = (top_probs / top_probs.sum()).to(_WIRE_DTYPES[self.fmt.dtype])
-            token = int(top_ids[sample_inverse_cdf(row.float(), torch.as_tensor(u, dtype=torch.float64))])
-            self._rows.append(row)
+            token = top_ids[sample_inverse_cdf(row.float(), u)]
             self._ids.append(top_ids.to(torch.int32))
-        self._tokens.append(token)
+        self._rows.append(row)
         return token
+
+    def commit(self, token: int) -> None:
+        """The token `propose` returned, read back."""
+        self._tokens.append(token)
 
     def keep(self, n: int) -> None:
         """Forget every draft after the first n (a pre-drafted branch answering a smaller γ)."""

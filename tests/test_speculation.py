@@ -339,3 +339,38 @@ def test_bench_compare_runs_every_variant_against_its_target_only(verifier_proc,
         assert len(v["repeat_speedups"]) == 2 and all(x > 0 for x in v["repeat_speedups"])
         assert min(v["repeat_speedups"]) <= v["measured_speedup"] <= max(v["repeat_speedups"])
     assert "gamma=auto" in format_compare(result) and "2 repeats" in format_compare(result)
+
+
+def test_drafter_reads_each_steps_tokens_back_once(engines, monkeypatch):
+    """Concurrent sessions drafting together: one device-to-host read per forward step for all
+    the step's rows (not one per row), and every draft passes through it."""
+    import threading
+
+    from drafter_service import engine as drafter_engine
+    from specdec.proposals import ProposalFormat
+    from specdec.sampling import SamplingParams
+
+    plain, _ = engines
+    reads: list[int] = []
+    real = drafter_engine._read_tokens
+    monkeypatch.setattr(drafter_engine, "_read_tokens", lambda tokens: reads.append(len(tokens)) or real(tokens))
+    before = plain.snapshot_stats()
+    sids = [plain.open_session() for _ in range(3)]
+    outs = {}
+    params = SamplingParams(temperature=0.8, seed=3)
+    fmt = ProposalFormat(kind="dense", dtype="float16")
+
+    def run(i: int, sid: str) -> None:
+        outs[sid] = plain.draft(sid, 0, [1, 2, 3 + i, 4], 4, params, fmt)
+
+    threads = [threading.Thread(target=run, args=(i, sid)) for i, sid in enumerate(sids)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = plain.snapshot_stats()
+    for sid in sids:
+        plain.close_session(sid)
+    assert sum(reads) == sum(len(o.draft_token_ids) for o in outs.values()) == 12, reads
+    assert len(reads) == after["forwards"] - before["forwards"]  # one read per forward step
+    assert max(reads) > 1  # the later sessions arrive while the first drafts, and share its steps
