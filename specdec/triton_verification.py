@@ -202,6 +202,31 @@ def compile_for(arch: int, has_q: bool, has_argmax: bool, has_typical: bool, con
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": config[1], **FP_OPTIONS})
 
 
+def warm_up(vocab_size: int, max_draft_tokens: int, device: torch.device) -> int:
+    """Compile (or load from Triton's on-disk cache) the variants a verifier meets first, so no
+    request waits seconds for a compile: dense q, one-hot q and all-greedy batches, for every
+    KPAD up to max_draft_tokens' (the vocabulary's own size, so its divisibility hints match).
+    Returns the number of variants launched."""
+    variants = 0
+    kpad = 1
+    while True:
+        k = kpad
+        p = torch.full((1, k + 1, vocab_size), 1.0 / vocab_size, device=device)
+        drafts = torch.zeros(1, k, dtype=torch.int64, device=device)
+        num_draft = torch.full((1,), k, dtype=torch.int64, device=device)
+        draws = torch.full((1, k + 1, 2), 0.5, dtype=torch.float64, device=device)
+        rejection = torch.full((1,), METHOD_CODES["rejection"], dtype=torch.int32, device=device)
+        greedy = torch.full((1,), METHOD_CODES["greedy"], dtype=torch.int32, device=device)
+        q = p[:, :k].contiguous()
+        chain_verify(p, drafts, q, q.sum(dim=-1), num_draft, draws, rejection, None, None)
+        chain_verify(p, drafts, None, None, num_draft, draws, rejection, None, None)
+        chain_verify(p, drafts, None, None, num_draft, draws, greedy, p.argmax(dim=-1), None)
+        variants += 3
+        if kpad >= max_draft_tokens:
+            return variants
+        kpad *= 2
+
+
 def chain_verify(
     target_probs: torch.Tensor,  # [B, K + 1, V] float32
     draft_token_ids: torch.Tensor,  # [B, K] int64, -1 past num_draft

@@ -4,10 +4,12 @@ waiting session, then one batched speculative-sampling call."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
+from specdec import triton_verification
 from specdec.batching import WorkItem
 from specdec.errors import InvalidArgument
 from specdec.models import Row
@@ -55,6 +57,10 @@ class VerifierEngine(ServingModel):
         # Checked at start: a "triton" backend without triton or without CUDA is a clear error now,
         # not a failed batch later.
         self.sampler_backend = resolve_backend(self.config.sampler_backend, self.lm.device)
+        if self.sampler_backend == "triton" and self.lm.device.type == "cuda":
+            start = time.perf_counter()
+            n = triton_verification.warm_up(self.lm.vocab_size, self.config.max_draft_tokens, self.lm.device)
+            log.info("sampler kernel: %d variants compiled or loaded in %.1f s", n, time.perf_counter() - start)
         log.info("sampler backend=%s device=%s", self.sampler_backend, self.lm.device)
 
     def verify(
