@@ -59,8 +59,15 @@ class VerifierEngine(ServingModel):
         self.sampler_backend = resolve_backend(self.config.sampler_backend, self.lm.device)
         if self.sampler_backend == "triton" and self.lm.device.type == "cuda":
             start = time.perf_counter()
-            n = triton_verification.warm_up(self.lm.vocab_size, self.config.max_draft_tokens, self.lm.device)
-            log.info("sampler kernel: %d variants compiled or loaded in %.1f s", n, time.perf_counter() - start)
+            try:
+                n = triton_verification.warm_up(self.lm.vocab_size, self.config.max_draft_tokens, self.lm.device)
+            except Exception:
+                if self.config.sampler_backend == "triton":  # asked for by name: a start-up error
+                    raise
+                log.exception("the Triton sampler kernel failed to build here; falling back to the torch sampler")
+                self.sampler_backend = "torch"
+            else:
+                log.info("sampler kernel: %d variants compiled or loaded in %.1f s", n, time.perf_counter() - start)
         log.info("sampler backend=%s device=%s", self.sampler_backend, self.lm.device)
 
     def verify(
