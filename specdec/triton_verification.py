@@ -123,7 +123,8 @@ def _kernel(interpret: bool):
                 q_sum = tl.load(q_sums_ptr + b * K + tl.maximum(jq, 0), mask=jq >= 0, other=1.0)
             # Pass 1: totals of the residual and of p (the fallback when the residual is all zero,
             # i.e. p == q there, where a rejection has probability 0), and the last token with
-            # mass of each (the pick when u * total rounds up to the total).
+            # mass of each (the pick if the blocked cdf ends a hair below u * total: the float64
+            # sums here and in pass 2 add in different orders).
             total_r = tl.zeros([BLOCK], dtype=tl.float64)
             total_p = tl.zeros([BLOCK], dtype=tl.float64)
             last_r = tl.full([BLOCK], -1, dtype=tl.int64)
