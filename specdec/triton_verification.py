@@ -22,14 +22,14 @@ so the residual has the torch path's bits. Greedy rows compare
 against the target's argmax, and typical rows take their accept mask, from the caller
 (`target_argmax`, `typical_accept`), which computes each only when some row needs it.
 
-Triton is optional: `available()` says whether it imports, and the kernel is built on
-first use. With TRITON_INTERPRET=1 set before that first use, the same kernel runs on CPU
-tensors (numpy-interpreted), which is how the test suite checks it without a GPU.
+Triton is optional: `available()` says whether it imports, and the kernel module
+(`specdec.triton_kernels`) is imported on first use. With TRITON_INTERPRET=1 set before
+triton's first import, the same kernel runs on CPU tensors (numpy-interpreted), which is how
+the test suite checks it without a GPU.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -55,131 +55,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.cache
-def _kernel(interpret: bool):
-    """The kernel, compiled (JITFunction) or numpy-interpreted, whatever TRITON_INTERPRET says now."""
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    def chain_verify_kernel(
-        target_ptr,  # [B, K + 1, V] float32, processed target distribution p
-        draft_ids_ptr,  # [B, K] int64, -1 past num_draft
-        draft_probs_ptr,  # [B, K, V] float32 proposal q (read only if HAS_Q)
-        q_sums_ptr,  # [B, K] float32 row sums of q (read only if HAS_Q)
-        num_draft_ptr,  # [B] int64
-        draws_ptr,  # [B, K + 1, 2] float64 uniforms: acceptance, token pick
-        method_ptr,  # [B] int32, METHOD_CODES
-        argmax_ptr,  # [B, K + 1] int64 argmax of p (read only if HAS_ARGMAX)
-        typical_ptr,  # [B, K] int8 typical accept mask (read only if HAS_TYPICAL)
-        out_ptr,  # [B, K + 1] int64 out: accepted drafts, final token, -1 padding
-        num_accepted_ptr,  # [B] int64 out
-        K,
-        V,
-        HAS_Q: tl.constexpr,
-        HAS_ARGMAX: tl.constexpr,
-        HAS_TYPICAL: tl.constexpr,
-        KPAD: tl.constexpr,  # next power of two >= max(K, 1)
-        BLOCK: tl.constexpr,
-    ):
-        b = tl.program_id(0).to(tl.int64)
-        method = tl.load(method_ptr + b)
-        nd = tl.load(num_draft_ptr + b)
-        # Every draft's accept test at once ([KPAD] lanes, past K masked): one round of gathers
-        # instead of K dependent ones.
-        js = tl.arange(0, KPAD).to(tl.int64)
-        in_k = js < K
-        x = tl.load(draft_ids_ptr + b * K + js, mask=in_k, other=0)
-        xs = tl.maximum(x, 0)
-        p_x = tl.load(target_ptr + (b * (K + 1) + js) * V + xs, mask=in_k, other=0.0)
-        u = tl.load(draws_ptr + (b * (K + 1) + js) * 2, mask=in_k, other=1.0)
-        if HAS_Q:
-            q_x = tl.math.div_rn(tl.load(draft_probs_ptr + (b * K + js) * V + xs, mask=in_k, other=1.0),
-                                 tl.load(q_sums_ptr + b * K + js, mask=in_k, other=1.0))
-        else:
-            q_x = tl.full([KPAD], 1.0, dtype=tl.float32)
-        ok = (u * q_x.to(tl.float64)) < p_x.to(tl.float64)
-        if HAS_ARGMAX:
-            ok = tl.where(method == 0, x == tl.load(argmax_ptr + b * (K + 1) + js, mask=in_k, other=-2), ok)
-        if HAS_TYPICAL:
-            ok = tl.where(method == 2, tl.load(typical_ptr + b * K + js, mask=in_k, other=0) != 0, ok)
-        # n = num_accepted: the first draft j < num_draft that fails its test, else num_draft.
-        n = tl.min(tl.where(js < nd, tl.where(ok, nd, js), nd), axis=0)
-
-        rejected = n < nd
-        final = n * 0
-        if HAS_ARGMAX:
-            final = tl.load(argmax_ptr + b * (K + 1) + n)
-        need_sample = (method == 1) | ((method == 2) & (rejected == 0))
-        if need_sample:
-            use_residual = (method == 1) & rejected
-            jq = tl.minimum(n, K - 1)  # the rejected draft's row; unused at the bonus position
-            # K == 0: jq = -1 and nothing of q or the drafts is read (the drafts tensor is empty).
-            x_n = tl.maximum(tl.load(draft_ids_ptr + b * K + tl.maximum(jq, 0), mask=jq >= 0, other=0), 0)
-            row_p = target_ptr + (b * (K + 1) + n) * V
-            row_q = draft_probs_ptr + (b * K + jq) * V
-            q_sum = 1.0
-            if HAS_Q:
-                q_sum = tl.load(q_sums_ptr + b * K + tl.maximum(jq, 0), mask=jq >= 0, other=1.0)
-            # Pass 1: totals of the residual and of p (the fallback when the residual is all zero,
-            # i.e. p == q there, where a rejection has probability 0), and the last token with
-            # mass of each (the pick if the blocked cdf ends a hair below u * total: the float64
-            # sums here and in pass 2 add in different orders).
-            total_r = tl.zeros([BLOCK], dtype=tl.float64)
-            total_p = tl.zeros([BLOCK], dtype=tl.float64)
-            last_r = tl.full([BLOCK], -1, dtype=tl.int64)
-            last_p = tl.full([BLOCK], -1, dtype=tl.int64)
-            # (q loads are masked with tl.where(flag, m, False): the interpreter turns a block & a
-            # scalar into int32, which it refuses as a mask)
-            for start in range(0, V, BLOCK):
-                offs = start + tl.arange(0, BLOCK).to(tl.int64)
-                m = offs < V
-                p = tl.load(row_p + offs, mask=m, other=0.0)
-                if HAS_Q:
-                    q = tl.load(row_q + offs, mask=tl.where(use_residual, m, False), other=0.0)
-                    r = tl.maximum(p - tl.math.div_rn(q, q_sum), 0.0)
-                else:
-                    r = tl.where(offs == x_n, 0.0, p)
-                total_r += r.to(tl.float64)
-                total_p += p.to(tl.float64)
-                last_r = tl.maximum(last_r, tl.where(m & (r > 0), offs, -1))
-                last_p = tl.maximum(last_p, tl.where(m & (p > 0), offs, -1))
-            use_residual = use_residual & (tl.sum(total_r, axis=0) > 0)
-            total = tl.where(use_residual, tl.sum(total_r, axis=0), tl.sum(total_p, axis=0))
-            last = tl.where(use_residual, tl.max(last_r, axis=0), tl.max(last_p, axis=0))
-            threshold = tl.load(draws_ptr + (b * (K + 1) + n) * 2 + 1) * total
-            # Pass 2: the first token whose cdf passes the threshold; stops at the block holding it.
-            found = V + n * 0
-            running = total * 0.0
-            start = n * 0
-            while (start < V) & (found == V):
-                offs = start + tl.arange(0, BLOCK).to(tl.int64)
-                m = offs < V
-                p = tl.load(row_p + offs, mask=m, other=0.0)
-                if HAS_Q:
-                    q = tl.load(row_q + offs, mask=tl.where(use_residual, m, False), other=0.0)
-                    r = tl.maximum(p - tl.math.div_rn(q, q_sum), 0.0)
-                else:
-                    r = tl.where(offs == x_n, 0.0, p)
-                d = tl.where(use_residual, r, p).to(tl.float64)
-                cdf = running + tl.cumsum(d, axis=0)
-                found = tl.minimum(found, tl.min(tl.where(m & (cdf > threshold), offs, V), axis=0))
-                running += tl.sum(d, axis=0)
-                start += BLOCK
-            final = tl.where(found < V, found, last)
-
-        cols = tl.arange(0, 16).to(tl.int64)
-        for c0 in range(0, K + 1, 16):
-            c = c0 + cols
-            d = tl.load(draft_ids_ptr + b * K + c, mask=c < K, other=-1)
-            row = tl.where(c < n, d, -1)
-            row = tl.where(c == n, final, row)
-            tl.store(out_ptr + b * (K + 1) + c, row, mask=c < K + 1)
-        tl.store(num_accepted_ptr + b, n)
-
-    return InterpretedFunction(chain_verify_kernel) if interpret else JITFunction(chain_verify_kernel)
-
-
 def launch_config(batch_size: int, device: torch.device) -> tuple[int, int]:
     """(BLOCK, num_warps) for a batch: WIDE while the batch leaves SMs idle, else NARROW."""
     if device.type != "cuda":
@@ -193,8 +68,9 @@ def compile_for(arch: int, has_q: bool, has_argmax: bool, has_typical: bool, con
     import triton
     from triton.backends.compiler import GPUTarget
 
+    from specdec.triton_kernels import chain_verify_kernel as kernel
+
     pointers = ["*fp32", "*i64", "*fp32", "*fp32", "*i64", "*fp64", "*i32", "*i64", "*i8", "*i64", "*i64"]
-    kernel = _kernel(False)
     names = kernel.arg_names
     signature = dict(zip(names, pointers + ["i32", "i32"] + ["constexpr"] * 5))
     constexprs = {"HAS_Q": has_q, "HAS_ARGMAX": has_argmax, "HAS_TYPICAL": has_typical, "KPAD": kpad,
@@ -242,6 +118,8 @@ def chain_verify(
     """-> (output_token_ids [B, K + 1] int64 with -1 padding, num_accepted [B] int64)."""
     import triton
 
+    from specdec.triton_kernels import chain_verify_kernel
+
     b, k1, v = target_probs.shape
     k = k1 - 1
     dev = target_probs.device
@@ -251,7 +129,7 @@ def chain_verify(
         return out, num_accepted
     dummy_f = target_probs  # any tensor: a constexpr flag keeps the kernel from reading it
     block, num_warps = launch_config(b, dev)
-    _kernel(interpreting())[(b,)](
+    chain_verify_kernel[(b,)](
         target_probs.contiguous(),
         draft_token_ids.to(torch.int64).contiguous(),
         dummy_f if draft_probs is None else draft_probs.to(torch.float32).contiguous(),
