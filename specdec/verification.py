@@ -86,7 +86,7 @@ def _rejection_accept(
     k = draft_token_ids.shape[1]
     ids = draft_token_ids.clamp_min(0)[..., None]  # [B, K, 1]
     p_draft = target_probs[:, :k].gather(2, ids)[..., 0]  # [B, K]
-    if draft_probs is None or q_sums is None:
+    if draft_probs is None:
         q_draft = torch.ones_like(p_draft)
     else:
         # q rows need not be normalized: a drafter sampling by inverse CDF samples normalize(q).
@@ -118,10 +118,15 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
-def _rows_with(methods: list[str], wanted: set[str], device: torch.device) -> torch.Tensor | None:
-    """[R] int64 indices of the rows whose method is in `wanted`; None when that is every row."""
+def _on_rows(methods: list[str], wanted: set[str], fn, *batch: torch.Tensor) -> torch.Tensor:
+    """fn over the rows (dim 0 of every `batch` tensor) whose method is in `wanted`, scattered
+    into zeros for the others; fn over the whole batch when every row wants it."""
     rows = [i for i, m in enumerate(methods) if m in wanted]
-    return None if len(rows) == len(methods) else _to_device(torch.tensor(rows, dtype=torch.long), device)
+    if len(rows) == len(methods):
+        return fn(*batch)
+    index = _to_device(torch.tensor(rows, dtype=torch.long), batch[0].device)  # [R]
+    out = fn(*(t.index_select(0, index) for t in batch))  # [R, ...]
+    return out.new_zeros((len(methods), *out.shape[1:])).index_copy_(0, index, out)
 
 
 SAMPLER_BACKENDS = ("auto", "torch", "triton")
@@ -184,19 +189,10 @@ def speculative_sample(
     # whole [K + 1, V] rows: computed for the rows that use them only.
     target_argmax = typical = None
     if present & {GREEDY, TYPICAL}:
-        rows = _rows_with(methods, {GREEDY, TYPICAL}, device)
-        if rows is None:
-            target_argmax = target_probs.argmax(dim=-1)  # [B, K + 1]
-        else:
-            target_argmax = torch.zeros(b, k + 1, dtype=torch.long, device=device).index_copy_(
-                0, rows, target_probs.index_select(0, rows).argmax(dim=-1))
+        target_argmax = _on_rows(methods, {GREEDY, TYPICAL}, lambda p: p.argmax(dim=-1), target_probs)  # [B, K + 1]
     if TYPICAL in present:
-        rows = _rows_with(methods, {TYPICAL}, device)
-        pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
-        accept = _typical_accept(pick(target_probs), pick(draft_token_ids), pick(posterior_threshold.to(device)),
-                                 pick(posterior_alpha.to(device)))
-        typical = accept if rows is None else \
-            torch.zeros(b, k, dtype=torch.bool, device=device).index_copy_(0, rows, accept)  # [B, K]
+        typical = _on_rows(methods, {TYPICAL}, _typical_accept, target_probs, draft_token_ids,
+                           posterior_threshold.to(device), posterior_alpha.to(device))  # [B, K]
     if resolve_backend(backend, device) == "triton":
         if len(set(methods)) == 1:  # one rule for the batch: a device fill, no host-to-device copy
             codes = torch.full((b,), triton_verification.METHOD_CODES[methods[0]], dtype=torch.int32, device=device)
@@ -228,7 +224,7 @@ def speculative_sample(
         dist = p_stop
         if REJECTION in present and k:
             j = n.clamp_max(k - 1)
-            if draft_probs is None or q_sums is None:  # (p - onehot(x))+ is p with x removed
+            if draft_probs is None:  # (p - onehot(x))+ is p with x removed
                 residual = p_stop.scatter(1, draft_token_ids[rows, j].clamp_min(0)[:, None], 0.0)
             else:
                 residual = (p_stop - draft_probs[rows, j] / q_sums[rows, j][:, None]).clamp_min_(0.0)
