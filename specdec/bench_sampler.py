@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from specdec import triton_verification
+from specdec.cli import positive
 from specdec.proposals import DENSE, IDS_ONLY, SPARSE, ProposalBuilder, ProposalFormat
 from specdec.sampling import STREAM_VERIFY, counter_uniforms
 from specdec.verification import speculative_sample
@@ -143,19 +144,12 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--repeat must be >= 1, got {value}")
-    return value
-
-
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda when available)")
     p.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1,16,64 on CPU, 1,64,256 on CUDA)")
     p.add_argument("--gammas", default=None, help="comma-separated (default: 4 on CPU, 4,8 on CUDA)")
     p.add_argument("--vocab-sizes", default=None, help="comma-separated (default: 49152 on CPU, 32000,151936 on CUDA)")
-    p.add_argument("--repeat", type=_positive_int, default=20)
+    p.add_argument("--repeat", type=positive("--repeat"), default=20)
     p.add_argument("--json", default=None, help="also write the results to this path")
 
 

@@ -21,26 +21,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _positive_int(name: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {value}")
-        return value
-
-    return parse
-
-
 def positive(name: str, kind=int, zero: bool = False):
     """An argparse type: a number > 0 (>= 0 with zero=True)."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a {kind.__name__}, got {text!r}") from None
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}") from None
         if not (value >= 0 if zero else value > 0):
             raise argparse.ArgumentTypeError(f"{name} must be {'>=' if zero else '>'} 0, got {text!r}")
         return value
@@ -61,7 +49,7 @@ def gamma_arg(text: str) -> int | str:
     """--num-speculative-tokens: an integer >= 0, or 'auto'."""
     if text == "auto":
         return text
-    return _positive_int("--num-speculative-tokens")(text)
+    return positive("--num-speculative-tokens", zero=True)(text)
 
 
 def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
@@ -85,23 +73,23 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
         p.add_argument("--backend", default="model", choices=["model", "ngram"],
                        help="model: draft with --model's weights; ngram: prompt lookup, no weights (--model gives only "
                             "the tokenizer, vocabulary, EOS ids and context)")
-        p.add_argument("--ngram-min", type=_positive_int("--ngram-min"), default=1,
+        p.add_argument("--ngram-min", type=positive("--ngram-min", zero=True), default=1,
                        help="--backend ngram: shortest suffix n-gram looked up")
-        p.add_argument("--ngram-max", type=_positive_int("--ngram-max"), default=4,
+        p.add_argument("--ngram-max", type=positive("--ngram-max", zero=True), default=4,
                        help="--backend ngram: longest suffix n-gram looked up (the longest match wins)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_positive_int("--port"), default=DEFAULT_PORTS[role], help="0 picks a free port")
-    p.add_argument("--threads", type=_positive_int("--threads"), default=0,
+    p.add_argument("--port", type=positive("--port", zero=True), default=DEFAULT_PORTS[role], help="0 picks a free port")
+    p.add_argument("--threads", type=positive("--threads", zero=True), default=0,
                    help="torch intra-op threads (0 = all cores; the services alternate, so each may use all)")
-    p.add_argument("--max-draft-tokens", type=_positive_int("--max-draft-tokens"), default=16,
+    p.add_argument("--max-draft-tokens", type=positive("--max-draft-tokens", zero=True), default=16,
                    help="largest gamma a request may ask for (bounds memory per request)")
-    p.add_argument("--max-sessions", type=_positive_int("--max-sessions"), default=256,
+    p.add_argument("--max-sessions", type=positive("--max-sessions", zero=True), default=256,
                    help="live sessions; beyond it the least recently used idle session is evicted")
     p.add_argument("--kv-budget-mb", type=float, default=None,
                    help="KV memory of all sessions (each holds a static --max-model-len slot); LRU eviction beyond")
-    p.add_argument("--max-model-len", type=_positive_int("--max-model-len"), default=None,
+    p.add_argument("--max-model-len", type=positive("--max-model-len", zero=True), default=None,
                    help="KV positions per session (default: min(model's maximum, 2048))")
-    p.add_argument("--max-batch-size", type=_positive_int("--max-batch-size"), default=32,
+    p.add_argument("--max-batch-size", type=positive("--max-batch-size", zero=True), default=32,
                    help="requests of different sessions run in one forward")
     p.add_argument("--max-wait-ms", type=float, default=10.0,
                    help="how long a non-full batch waits for more requests, only while batches hold > 1 request")
@@ -111,7 +99,7 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
                        help="batched speculative sampler: the fused Triton kernel (CUDA; auto picks it when triton "
                             "imports) or torch ops; both emit the same tokens for the same seed")
     if role == "drafter":
-        p.add_argument("--speculation-slots", type=_positive_int("--speculation-slots"), default=16,
+        p.add_argument("--speculation-slots", type=positive("--speculation-slots", zero=True), default=16,
                        help="KV slots for branches pre-drafted while the verifier works (requests with fanout > 0), "
                             "shared by all sessions; 0 turns the speculation cache off")
     p.add_argument("--grace-s", type=float, default=5.0, help="on SIGTERM, wait this long for in-flight calls")
@@ -120,7 +108,7 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
 
 def _add_ops_args(p: argparse.ArgumentParser) -> None:
     """Security and operations flags of a service (see README, Deployment and operations)."""
-    p.add_argument("--metrics-port", type=_positive_int("--metrics-port"), default=0,
+    p.add_argument("--metrics-port", type=positive("--metrics-port", zero=True), default=0,
                    help="serve Prometheus /metrics on this port (0 = off)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
@@ -232,7 +220,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=gamma_arg, default=4,
                    help="gamma, drafts per round, or 'auto' (adaptive per round in [1, 8], from the measured "
                         "acceptance and costs)")
-    p.add_argument("--fanout", type=_positive_int("--fanout"), default=0,
+    p.add_argument("--fanout", type=positive("--fanout", zero=True), default=0,
                    help="speculation cache: the drafter pre-drafts the next round for its top-F bonus candidates "
                         "while the verifier works (0 = off)")
 
