@@ -27,10 +27,10 @@ RUN pip install torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 WORKDIR /app
 # Dependencies in their own layer: source edits do not reinstall them.
 COPY pyproject.toml README.md ./
-RUN mkdir -p specdec drafter_service verifier_service client specdec_rpc \
+RUN mkdir -p specdec drafter_service verifier_service client specdec_rpc bench cli gateway \
     && pip install . && pip uninstall -y specdec
 COPY . .
-# Editable: the package data (client/bench/data) is used in place.
+# Editable: the package data (bench/data) is used in place.
 RUN pip install --no-deps -e . && useradd --create-home --uid 10001 specdec \
     && mkdir -p /models && chown specdec /models
 USER specdec
@@ -46,7 +46,7 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
 WORKDIR /app
 COPY pyproject.toml README.md ./
 # The base image's torch (CUDA build) satisfies torch>=2.4, so pip keeps it.
-RUN mkdir -p specdec drafter_service verifier_service client specdec_rpc \
+RUN mkdir -p specdec drafter_service verifier_service client specdec_rpc bench cli gateway \
     && pip install . && pip uninstall -y specdec
 COPY . .
 RUN pip install --no-deps -e . && useradd --create-home --uid 10001 specdec \

@@ -54,7 +54,7 @@ def start_service(role: str, args: list[str] | None = None, *, host: str = "127.
     variables (e.g. SPECDEC_DTYPE, SPECDEC_METRICS_PORT: the container configuration)."""
     if role not in ("drafter", "verifier"):
         raise ValueError(f"role must be drafter or verifier, got {role!r}")
-    cmd = [sys.executable, "-m", "specdec.cli", role, "--host", host, "--port", str(port), *(args or [])]
+    cmd = [sys.executable, "-m", "cli", role, "--host", host, "--port", str(port), *(args or [])]
     if threads:
         cmd += ["--threads", str(threads)]
     env = {**os.environ, **(env or {})}

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from client.bench.datasets import CATEGORIES, SHAREGPT, load_dataset, load_shipped
-from client.bench.serve import (
+from bench.datasets import CATEGORIES, SHAREGPT, load_dataset, load_shipped
+from bench.serve import (
     LATENCY_METRICS,
     RequestRecord,
     compute_metrics,
@@ -19,7 +19,7 @@ from client.bench.serve import (
     inter_arrival_times,
     server_stats,
 )
-from specdec.cli import main
+from cli import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from client.launcher import start_service
-from specdec.cli import build_parser
+from cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE_DIR = "/models"
@@ -77,7 +77,7 @@ def _parse(argv: list[str], env: dict[str, str], monkeypatch):
     try:
         return build_parser().parse_args(argv)
     except SystemExit as exc:  # argparse rejected it
-        raise AssertionError(f"`specdec {' '.join(argv)}` is not accepted by specdec.cli: exit {exc.code}") from None
+        raise AssertionError(f"`specdec {' '.join(argv)}` is not accepted by the cli: exit {exc.code}") from None
     finally:
         for key in env:
             monkeypatch.delenv(key)
@@ -188,7 +188,7 @@ def test_compose_topology_as_local_processes_configured_by_environment():
         with grpc.insecure_channel(drafter.address) as ch:
             info = pb_grpc.DrafterStub(ch).GetModelInfo(pb.ModelInfoRequest(), timeout=30)
         assert (info.dtype, info.max_draft_tokens) == ("float32", 6)
-        health = subprocess.run([sys.executable, "-m", "specdec.cli", "health", "--address", verifier.address],
+        health = subprocess.run([sys.executable, "-m", "cli", "health", "--address", verifier.address],
                                 capture_output=True, text=True, timeout=60)
         assert (health.returncode, health.stdout.strip()) == (0, "SERVING"), health.stderr
         with SpeculativeClient(verifier.address, drafter=drafter.address) as client:
@@ -206,7 +206,7 @@ def test_compose_topology_as_local_processes_configured_by_environment():
 
 
 def test_bad_environment_value_is_refused_naming_the_variable(monkeypatch, capsys):
-    from specdec.cli import main
+    from cli import main
 
     monkeypatch.setenv("SPECDEC_VERIFIER_DTYPE", "float8")
     assert main(["verifier"]) == 2  # before any model is loaded

@@ -158,7 +158,7 @@ def test_engine_sessions_return_their_pool_slots(fast_lm):
 
 def test_bench_engine_prints_eager_and_fast_rows():
     out = subprocess.run(
-        [sys.executable, "-m", "specdec.cli", "bench", "engine", "--preset", "tiny", "--device", "cpu",
+        [sys.executable, "-m", "cli", "bench", "engine", "--preset", "tiny", "--device", "cpu",
          "--batch-sizes", "1,3", "--context", "40", "--width", "3", "--steps", "2", "--warmup", "0"],
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -193,7 +193,7 @@ def test_random_model_directories_load_as_service_models(tmp_path, target_lm):
     from safetensors.torch import load_file
 
     for name in ("a", "b"):
-        out = subprocess.run([sys.executable, "-m", "specdec.cli", "random-model", "--preset", "tiny", "--out",
+        out = subprocess.run([sys.executable, "-m", "cli", "random-model", "--preset", "tiny", "--out",
                               str(tmp_path / name), "--dtype", "float32"], capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr
     a, b = (load_file(tmp_path / n / "model.safetensors") for n in ("a", "b"))

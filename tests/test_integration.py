@@ -184,7 +184,7 @@ def test_first_token_over_grpc_follows_target_distribution(int8_client, target_l
 
 
 def _cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

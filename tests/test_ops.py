@@ -75,10 +75,10 @@ def test_health_is_serving_and_reflection_lists_the_services(services, role):
 
 def test_health_cli_exits_zero_when_serving_and_one_when_down(services):
     svc, _ = services["verifier"]
-    ok = subprocess.run([sys.executable, "-m", "specdec.cli", "health", "--address", svc.address],
+    ok = subprocess.run([sys.executable, "-m", "cli", "health", "--address", svc.address],
                         capture_output=True, text=True, timeout=60)
     assert (ok.returncode, ok.stdout.strip()) == (0, "SERVING")
-    down = subprocess.run([sys.executable, "-m", "specdec.cli", "health", "--address", f"127.0.0.1:{_free_port()}",
+    down = subprocess.run([sys.executable, "-m", "cli", "health", "--address", f"127.0.0.1:{_free_port()}",
                            "--timeout-s", "2"], capture_output=True, text=True, timeout=60)
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
 

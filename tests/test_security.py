@@ -155,7 +155,7 @@ def test_mutual_tls_refuses_clients_without_a_trusted_certificate(certs, mtls_se
 
 
 def test_generate_cli_takes_tls_and_token_flags(certs, tls_token_verifier):
-    base = [sys.executable, "-m", "specdec.cli", "generate", "--verifier", tls_token_verifier.address, "--target-only",
+    base = [sys.executable, "-m", "cli", "generate", "--verifier", tls_token_verifier.address, "--target-only",
             "--prompt", "Hello", "--max-tokens", "4", "--json", "--tls-ca", str(certs / "ca.pem")]
     (certs / "client-token").write_text(TOKEN_B + "\n")
     ok = subprocess.run(base + ["--auth-token-file", str(certs / "client-token")], capture_output=True, text=True,

@@ -307,7 +307,7 @@ def test_grpc_adaptive_gamma_keeps_the_greedy_output_and_its_bounds(int8_client)
 
 
 def test_compare_variants_parse_and_refuse():
-    from client.bench.compare import parse_variant
+    from bench.compare import parse_variant
 
     assert parse_variant("target-only") == {"target_only": True}
     assert parse_variant("gamma=4") == {"target_only": False, "num_speculative_tokens": 4}
@@ -318,8 +318,8 @@ def test_compare_variants_parse_and_refuse():
 
 
 def test_bench_compare_runs_every_variant_against_its_target_only(verifier_proc, drafter_proc):
-    from client.bench.compare import format_compare, run_compare
-    from client.bench.serve import WorkloadConfig
+    from bench.compare import format_compare, run_compare
+    from bench.serve import WorkloadConfig
     from specdec.sampling import SamplingParams
 
     base = WorkloadConfig(verifier=verifier_proc.address, drafter=drafter_proc.address, num_prompts=2,

@@ -222,7 +222,7 @@ def test_bench_sampler_prints_ours_beside_plain_torch(tmp_path):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "specdec.bench_sampler", "--device", "cpu", "--batch-sizes", "1,8",
+    out = subprocess.run([sys.executable, "-m", "bench.sampler", "--device", "cpu", "--batch-sizes", "1,8",
                           "--vocab-sizes", "4096", "--repeat", "2", "--json", str(tmp_path / "s.json")],
                          capture_output=True, text=True, check=True, timeout=300)
     assert "sparse top-16 float16" in out.stdout and "n/a (CUDA+triton)" in out.stdout

@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from client.bench.datasets import interleave, load_dataset
-from client.bench.serve import WARMUP_MAX_TOKENS, encode
+from bench.datasets import interleave, load_dataset
+from bench.serve import WARMUP_MAX_TOKENS, encode
 from client.launcher import start_service
 from client.speculative import SpeculativeClient
 from specdec.sampling import SamplingParams

@@ -9,7 +9,7 @@ import math
 from datetime import datetime, timezone
 from typing import Sequence
 
-from client.bench.serve import WorkloadConfig, _call_timeout, _fmt, _json_rate, add_efficiency, run_serve
+from bench.serve import WorkloadConfig, _call_timeout, _fmt, _json_rate, add_efficiency, run_serve
 from client.speculative import SpeculativeClient
 
 

@@ -62,7 +62,7 @@ from typing import Iterable, Sequence
 import grpc
 import numpy as np
 
-from client.bench.datasets import SHIPPED, BenchPrompt, interleave, load_dataset
+from bench.datasets import SHIPPED, BenchPrompt, interleave, load_dataset
 from client.pool import parse_addresses
 from client.speculative import AUTO, SpeculativeClient
 from specdec.sampling import SamplingParams, mix64

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from specdec.cli import positive as _positive
+from specdec.argtypes import positive as _positive
 from specdec.slot_forward import Row, SlotForward
 from specdec.static_forward import WIDTH_BUCKETS, StaticForward
 
@@ -283,9 +283,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m specdec.bench_engine ...`: the same as `specdec bench engine`, without the
+    """`python -m bench.engine ...`: the same as `specdec bench engine`, without the
     client's imports (grpc), for a GPU machine that has only torch and transformers."""
-    parser = argparse.ArgumentParser(prog="python -m specdec.bench_engine", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__.split("\n")[0])
     add_args(parser)
     return run(parser.parse_args(argv))
 

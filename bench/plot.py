@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from client.bench.serve import accepted_per_round
+from bench.serve import accepted_per_round
 
 
 def _pyplot():

@@ -20,7 +20,7 @@ def generate_command(args: argparse.Namespace, params) -> int:
 
 def _run_generate(args: argparse.Namespace, params) -> int:
     from client.speculative import SpeculativeClient
-    from specdec.cli import proposal_format
+    from cli import proposal_format
 
     from specdec_rpc.ops import read_token
 

@@ -1,6 +1,6 @@
 """`specdec bench serve|compare|sweep|peer|verifier|sampler|engine`: arguments, then a call into a module.
 
-Only argparse at module level: `specdec.cli` builds this parser for every command.
+Only argparse at module level: `cli` builds this parser for every command.
 """
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import argparse
 import math
 import sys
 
-from specdec.cli import positive as _positive
+from specdec.argtypes import positive as _positive
 
 
 def _goodput_slo(text: str) -> tuple[str, float]:
-    from client.bench.serve import SLO_METRICS
+    from bench.serve import SLO_METRICS
 
     name, sep, value = text.partition(":")
     if not sep or name not in SLO_METRICS:
@@ -52,7 +52,7 @@ def _add_dataset_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: 
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
-    from specdec.cli import AddressList
+    from specdec.argtypes import AddressList
 
     p.add_argument("--drafter", action=AddressList,
                    help="HOST:PORT; repeat it or separate by commas for a pool (not needed with --target-only)")
@@ -129,7 +129,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     v.add_argument("--service-threads", type=_positive("--service-threads"), default=2)
     v.add_argument("--json", default=None)
 
-    from specdec import bench_engine, bench_sampler  # torch is imported by now anyway
+    from bench import engine as bench_engine, sampler as bench_sampler  # torch is imported by now anyway
 
     bench_sampler.add_args(sub.add_parser("sampler", help="batched sampler cost and bytes per proposal form "
                                                           "(no services)"))
@@ -140,7 +140,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _workload(args: argparse.Namespace, target_only: bool):
-    from client.bench.serve import WorkloadConfig
+    from bench.serve import WorkloadConfig
     from specdec.sampling import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
@@ -157,7 +157,7 @@ def _workload(args: argparse.Namespace, target_only: bool):
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from client.bench import serve
+    from bench import serve
 
     if not args.target_only and not args.drafter:
         raise ValueError("--drafter is required unless --target-only")
@@ -173,7 +173,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.result_json:
         serve.write_json(result, args.result_json)
     if args.plot:
-        from client.bench.plot import plot_serve
+        from bench.plot import plot_serve
 
         plot_serve(result, args.plot)
     if baseline is not None:
@@ -186,8 +186,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from client.bench import serve
-    from client.bench.compare import format_compare, parse_variant, run_compare
+    from bench import serve
+    from bench.compare import format_compare, parse_variant, run_compare
 
     for v in args.variants:
         parse_variant(v)  # refuse a bad variant before any run
@@ -201,8 +201,8 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from client.bench import serve
-    from client.bench.sweep import format_sweep, parse_points, run_sweep
+    from bench import serve
+    from bench.sweep import format_sweep, parse_points, run_sweep
 
     if not args.drafter:
         raise ValueError("--drafter is required (a sweep runs speculative and target-only)")
@@ -213,16 +213,16 @@ def _sweep(args: argparse.Namespace) -> int:
     if args.result_json:
         serve.write_json(result, args.result_json)
     if args.plot:
-        from client.bench.plot import plot_sweep
+        from bench.plot import plot_sweep
 
         plot_sweep(result["points"], args.plot, latency=args.latency)
     return 0 if all(p["speculative"]["completed"] and p["target_only"]["completed"] for p in result["points"]) else 1
 
 
 def _peer(args: argparse.Namespace) -> int:
-    from client.bench import serve
-    from client.bench.peer import format_peer, run_peer
-    from client.bench.sweep import parse_points
+    from bench import serve
+    from bench.peer import format_peer, run_peer
+    from bench.sweep import parse_points
 
     if bool(args.drafter) != bool(args.verifier):
         raise ValueError("give both --drafter and --verifier, or neither (then both are started here)")
@@ -240,8 +240,8 @@ def run_bench(args: argparse.Namespace) -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    from client.bench import verifier
-    from specdec import bench_engine, bench_sampler
+    from bench import verifier
+    from bench import engine as bench_engine, sampler as bench_sampler
 
     commands = {"serve": _serve, "compare": _compare, "sweep": _sweep, "peer": _peer, "verifier": verifier.run,
                 "sampler": bench_sampler.run, "engine": bench_engine.run}

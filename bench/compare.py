@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from client.bench.serve import WorkloadConfig, _call_timeout, _fmt, add_efficiency, run_serve
+from bench.serve import WorkloadConfig, _call_timeout, _fmt, add_efficiency, run_serve
 from client.speculative import AUTO, SpeculativeClient
 
 TARGET_ONLY = "target-only"

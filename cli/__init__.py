@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 
+from specdec.argtypes import AddressList, gamma_arg, positive  # noqa: F401  (re-exported)
 from specdec.errors import SpecDecError
 
 DEFAULT_PORTS = {"drafter": 50051, "verifier": 50052}
@@ -19,37 +20,6 @@ DEFAULT_PORTS = {"drafter": 50051, "verifier": 50052}
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, naming the argument, exit 2
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def positive(name: str, kind=int, zero: bool = False):
-    """An argparse type: a number > 0 (>= 0 with zero=True)."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            what = "an integer" if kind is int else "a number"
-            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}") from None
-        if not (value >= 0 if zero else value > 0):
-            raise argparse.ArgumentTypeError(f"{name} must be {'>=' if zero else '>'} 0, got {text!r}")
-        return value
-
-    return parse
-
-
-class AddressList(argparse.Action):
-    """A repeatable HOST:PORT option (default None): `--x A --x B` and `--x A,B` both give
-    "A,B", a pool the client splits."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        previous = getattr(namespace, self.dest, None)
-        setattr(namespace, self.dest, f"{previous},{values}" if previous else values)
-
-
-def gamma_arg(text: str) -> int | str:
-    """--num-speculative-tokens: an integer >= 0, or 'auto'."""
-    if text == "auto":
-        return text
-    return positive("--num-speculative-tokens", zero=True)(text)
 
 
 def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
@@ -255,7 +225,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except SpecDecError as exc:
         field = str(exc).split(":")[0].replace("_", "-")
         parser.error(f"argument --{field}: {exc}")
-    from client.commands import generate_command
+    from cli.commands import generate_command
 
     return generate_command(args, params)
 
@@ -307,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     r.add_argument("--device", default="cpu", help="where to initialize (cuda: seconds for 1.5B)")
 
-    from client.bench.cli import add_bench_parser  # lazy: the client side imports grpc, the core does not
+    from bench.args import add_bench_parser  # lazy: the client side imports grpc, the core does not
 
     add_bench_parser(sub)
     return parser
@@ -322,24 +292,24 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(args, parser)
         if args.command == "health":
-            from client.commands import health_command
+            from cli.commands import health_command
 
             return health_command(args)
         if args.command == "demo":
-            from client.demo import run_demo
+            from cli.demo import run_demo
 
             return run_demo(args)
         if args.command == "random-model":
             import torch
 
-            from specdec.bench_engine import save_random_model
+            from bench.engine import save_random_model
 
             n = save_random_model(args.preset, args.out, args.tokenizer, args.seed, getattr(torch, args.dtype),
                                   args.device)
             print(f"wrote {args.preset} ({n / 1e6:.0f}M parameters, random, seed {args.seed}) to {args.out}")
             return 0
         if args.command == "bench":
-            from client.bench.cli import run_bench
+            from bench.args import run_bench
 
             return run_bench(args)
     except KeyboardInterrupt:

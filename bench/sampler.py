@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from specdec import triton_verification
-from specdec.cli import positive
+from specdec.argtypes import positive
 from specdec.proposals import DENSE, IDS_ONLY, SPARSE, ProposalBuilder, ProposalFormat
 from specdec.sampling import STREAM_VERIFY, counter_uniforms
 from specdec.verification import speculative_sample
@@ -193,9 +193,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m specdec.bench_sampler ...`: the same as `specdec bench sampler`, without the
+    """`python -m bench.sampler ...`: the same as `specdec bench sampler`, without the
     client's imports (grpc), for a GPU machine that has only torch (and triton, flashinfer)."""
-    parser = argparse.ArgumentParser(prog="python -m specdec.bench_sampler", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.sampler", description=__doc__.split("\n")[0])
     add_args(parser)
     return run(parser.parse_args(argv))
 

@@ -1,0 +1,37 @@
+"""argparse types shared by every command line: the `specdec` CLI and the bench modules' own
+`python -m bench.engine|sampler` entry points (which must run on a bare GPU image without grpc)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def positive(name: str, kind=int, zero: bool = False):
+    """An argparse type: a number > 0 (>= 0 with zero=True)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}") from None
+        if not (value >= 0 if zero else value > 0):
+            raise argparse.ArgumentTypeError(f"{name} must be {'>=' if zero else '>'} 0, got {text!r}")
+        return value
+
+    return parse
+
+
+class AddressList(argparse.Action):
+    """A repeatable HOST:PORT option (default None): `--x A --x B` and `--x A,B` both give
+    "A,B", a pool the client splits."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        previous = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, f"{previous},{values}" if previous else values)
+
+
+def gamma_arg(text: str) -> int | str:
+    """--num-speculative-tokens: an integer >= 0, or 'auto'."""
+    if text == "auto":
+        return text
+    return positive("--num-speculative-tokens", zero=True)(text)
