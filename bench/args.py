@@ -70,7 +70,8 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
-    p.add_argument("--num-speculative-tokens", type=_gamma, default=4, help="gamma, or 'auto' (adaptive per round)")
+    p.add_argument("--num-speculative-tokens", type=_gamma, default="auto",
+                   help="gamma, or 'auto' (default: adaptive per round in [0, 8], goodput under the reported load)")
     p.add_argument("--fanout", type=_positive("--fanout", zero=True), default=0,
                    help="speculation cache: the drafter pre-drafts the next round for its top-F bonus candidates")
     p.add_argument("--timeout-s", type=float, default=60.0, help="deadline of every call")

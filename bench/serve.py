@@ -88,7 +88,7 @@ class WorkloadConfig:
     max_concurrency: int | None = None
     seed: int = 0
     params: SamplingParams = SamplingParams(temperature=0.0, max_tokens=64)
-    num_speculative_tokens: int | str = 4  # or "auto": adaptive γ per round
+    num_speculative_tokens: int | str = AUTO  # or a fixed γ
     fanout: int = 0  # speculation cache
     chat: bool = True
     target_only: bool = False
@@ -123,6 +123,7 @@ class RequestRecord:
     e2el: float | None = None
     itl: list[float] = field(default_factory=list)  # one gap per chunk (round) after the first
     rounds: int = 0
+    speculative_rounds: int = 0  # rounds that verified at least one draft
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_round: list[int] = field(default_factory=list)
@@ -268,9 +269,7 @@ def send_request(client: SpeculativeClient, req: BenchRequest, config: WorkloadC
             else:
                 rec.itl.append(now - last)
             last = now
-            if not config.target_only and gamma != AUTO:
-                # The client drafts min(γ, remaining - 1) so that a round never overshoots max_tokens.
-                rec.drafts_per_round.append(max(0, min(gamma, params.max_tokens - emitted - 1)))
+            if not config.target_only:
                 rec.accepted_per_round.append(max(len(chunk.token_ids) - 1, 0))
             emitted += len(chunk.token_ids)
             result = chunk.result
@@ -290,9 +289,10 @@ def send_request(client: SpeculativeClient, req: BenchRequest, config: WorkloadC
     rec.e2el = last - sent
     rec.output_tokens = len(result.token_ids)
     rec.rounds = result.num_rounds
+    rec.speculative_rounds = result.num_speculative_rounds
     rec.draft_tokens = result.num_draft_tokens
     rec.accepted_tokens = result.num_accepted_tokens
-    if gamma == AUTO:
+    if not config.target_only:
         rec.drafts_per_round = list(result.gamma_per_round)
     rec.cached_draft_tokens = result.cached_draft_tokens
     if sum(rec.drafts_per_round) != rec.draft_tokens:  # the client drafted differently than inferred
@@ -413,6 +413,9 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float,
         "mean_draft_time_per_token_ms": _ratio(sum(r.draft_time for r in ok), drafts, 1000.0),
         "mean_verify_time_per_round_ms": _ratio(sum(r.verify_time for r in ok), rounds, 1000.0),
         "mean_drafts_per_round": _ratio(drafts, rounds) if drafts else None,
+        # The adaptive controller at work: the share of rounds that drafted at all (the rest
+        # were target-only rounds: the first token, a drafter catching up, γ = 0 under load).
+        "speculative_round_share": _ratio(sum(r.speculative_rounds for r in ok), rounds),
         # Drafts the drafter had ready from its speculation cache (fanout > 0), of all drafts.
         "speculation_cache_hit_rate": _ratio(sum(r.cached_draft_tokens for r in ok), drafts),
         "goodput": None,
@@ -433,13 +436,13 @@ def expected_tokens_per_round(alpha: float, gamma: int) -> float:
 
 def efficiency(spec: dict, base: dict | None, gamma: int | str) -> dict[str, float | None]:
     """ideal_speedup, measured_speedup and system_efficiency of a speculative run
-    against a target-only run of the same workload (all None without one). With
-    adaptive γ the model takes the mean drafts per round."""
+    against a target-only run of the same workload (all None without one). The model
+    takes the mean drafts per round: with any γ some rounds draft none (the first one, a
+    drafter catching up, γ = 0 under load)."""
     none = {"ideal_speedup": None, "measured_speedup": None, "system_efficiency": None}
     if base is None:
         return none
-    if gamma == AUTO:
-        gamma = spec.get("mean_drafts_per_round") or 0
+    gamma = spec.get("mean_drafts_per_round") or 0
     alpha = spec.get("acceptance_rate")
     c_draft = spec.get("mean_draft_time_per_token_ms")
     c_verify = spec.get("mean_verify_time_per_round_ms")
@@ -598,6 +601,8 @@ def format_result(result: dict) -> str:
     section("Speculative Decoding")
     row("Num speculative tokens (gamma):", result["num_speculative_tokens"])
     row("Draft acceptance rate:", result["acceptance_rate"], 3)
+    row("Rounds that speculated:", result.get("speculative_round_share"), 3)
+    row("Mean gamma (all rounds):", result.get("mean_drafts_per_round"))
     row("Mean accepted tokens per round:", result["mean_accepted_tokens_per_round"])
     row("Mean tokens per round:", result["mean_tokens_per_round"])
     row("Mean rounds per request:", result["mean_rounds_per_request"])

@@ -76,7 +76,8 @@ def run_sweep(base: WorkloadConfig, concurrency: Sequence[int] = (), request_rat
 
 def format_sweep(sweep: dict) -> str:
     header = (f"{'point':<10}{'mode':<13}{'done':>5}{'fail':>5}{'req/s':>8}{'out tok/s':>10}{'med TTFT':>10}"
-              f"{'med TPOT':>10}{'med E2EL':>10}{'accept':>8}{'speedup':>9}{'ideal':>7}{'effic.':>8}")
+              f"{'med TPOT':>10}{'med E2EL':>10}{'accept':>8}{'spec rnd':>9}{'mean γ':>7}{'speedup':>9}{'ideal':>7}"
+              f"{'effic.':>8}")
     lines = [header, "-" * len(header)]
     for p in sweep["points"]:
         for mode in ("speculative", "target_only"):
@@ -87,6 +88,8 @@ def format_sweep(sweep: dict) -> str:
                 f"{_fmt(r['request_throughput']):>8}{_fmt(r['output_throughput']):>10}"
                 f"{_fmt(r['median_ttft_ms'], 1):>10}{_fmt(r['median_tpot_ms'], 1):>10}"
                 f"{_fmt(r['median_e2el_ms'], 1):>10}{_fmt(r['acceptance_rate'], 3):>8}"
+                f"{_fmt(r.get('speculative_round_share') if spec else None):>9}"
+                f"{_fmt((r.get('mean_drafts_per_round') or 0.0) if spec else None):>7}"
                 f"{_fmt(p['measured_speedup'] if spec else None):>9}{_fmt(p['ideal_speedup'] if spec else None):>7}"
                 f"{_fmt(p['system_efficiency'] if spec else None, 3):>8}"
             )

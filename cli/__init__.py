@@ -31,9 +31,9 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--cpu-linear", default="mkl", choices=["mkl", "onednn"],
                    help="float32 CPU linears: MKL (default) or prepacked oneDNN (~2x faster decode on AMD CPUs)")
-    p.add_argument("--prefill-dtype", default="none", choices=["none", "float32", "float16", "bfloat16"],
+    p.add_argument("--prefill-dtype", default="auto", choices=["auto", "none", "float32", "float16", "bfloat16"],
                    help="a second weights copy for rows of >= 3 tokens (bfloat16: ~5x faster prefill of a float16 "
-                        "drafter on CPU, at some acceptance)")
+                        "model on CPU, at some acceptance); auto: bfloat16 for a float16 model on the CPU, else none")
     p.add_argument("--quantize", default=None, choices=["int8"],
                    help="dynamic int8 quantization of the decoder layers (CPU; a low-acceptance drafter)")
     p.add_argument("--fast-path", default="auto", choices=["auto", "on", "off"],
@@ -61,10 +61,17 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="KV positions per session (default: min(model's maximum, 2048))")
     p.add_argument("--max-batch-size", type=positive("--max-batch-size", zero=True), default=32,
                    help="requests of different sessions run in one forward")
+    p.add_argument("--max-num-batched-tokens", type=positive("--max-num-batched-tokens"), default=None,
+                   help="tokens one engine step runs (vLLM's name): longer prompts are prefilled in chunks between "
+                        "the other sessions' steps (default: 256 on CPU, 2048 on CUDA)")
     p.add_argument("--max-wait-ms", type=float, default=10.0,
                    help="how long a non-full batch waits for more requests, only while batches hold > 1 request")
     p.add_argument("--session-ttl-s", type=float, default=600.0, help="idle sessions are closed after this")
     if role == "verifier":
+        p.add_argument("--speculative-disable-by-batch-size", type=positive("--speculative-disable-by-batch-size",
+                                                                            zero=True), default=0,
+                       help="at this many running sessions tell clients to stop drafting until the load drops "
+                            "(vLLM's name; 0 = never: the clients' adaptive gamma decides alone)")
         p.add_argument("--sampler-backend", default="auto", choices=["auto", "torch", "triton"],
                        help="batched speculative sampler: the fused Triton kernel (CUDA; auto picks it when triton "
                             "imports) or torch ops; both emit the same tokens for the same seed")
@@ -136,14 +143,19 @@ def _serve(args: argparse.Namespace, role: str) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"ts=%(asctime)s role={role} level=%(levelname)s logger=%(name)s %(message)s")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    prefill_dtype = args.prefill_dtype
+    if prefill_dtype == "auto":  # float16 matmuls are fast on a CPU only for one row (README: drafter dtype)
+        prefill_dtype = "bfloat16" if args.device == "cpu" and args.dtype == "float16" and not args.quantize else "none"
     spec = ModelSpec(model=args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device,
                      quantize=args.quantize, max_model_len=args.max_model_len, cpu_linear=args.cpu_linear,
-                     prefill_dtype=args.prefill_dtype, fast_path=args.fast_path)
+                     prefill_dtype=prefill_dtype, fast_path=args.fast_path)
     config = EngineConfig(max_draft_tokens=args.max_draft_tokens, max_sessions=args.max_sessions,
                           session_ttl_s=args.session_ttl_s, kv_budget_mb=args.kv_budget_mb,
                           max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
                           speculation_slots=getattr(args, "speculation_slots", 0),
-                          sampler_backend=getattr(args, "sampler_backend", "auto"))
+                          sampler_backend=getattr(args, "sampler_backend", "auto"),
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          speculative_disable_by_batch_size=getattr(args, "speculative_disable_by_batch_size", 0))
     if role == "drafter" and args.backend == "ngram":
         from drafter_service.ngram_engine import NgramDrafterEngine
         from drafter_service.server import run
@@ -187,9 +199,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                    help="wire form of q (default: ids when greedy, else dense)")
     p.add_argument("--proposal-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--top-n", type=int, default=64, help="tokens kept by --proposal sparse")
-    p.add_argument("--num-speculative-tokens", type=gamma_arg, default=4,
-                   help="gamma, drafts per round, or 'auto' (adaptive per round in [1, 8], from the measured "
-                        "acceptance and costs)")
+    p.add_argument("--num-speculative-tokens", type=gamma_arg, default="auto",
+                   help="gamma, drafts per round, or 'auto' (default: per round in [0, 8], for goodput from the "
+                        "measured acceptance and the load and step costs the services report)")
     p.add_argument("--fanout", type=positive("--fanout", zero=True), default=0,
                    help="speculation cache: the drafter pre-drafts the next round for its top-F bonus candidates "
                         "while the verifier works (0 = off)")
@@ -261,8 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="start both services locally, compare speculative and target-only")
     d.add_argument("--prompt", action="append", default=None, help="prompt (repeatable); default: built-in set")
     d.add_argument("--max-tokens", type=int, default=96)
-    d.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="gamma (default: 4; 8 for the embedded float16 drafter, whose acceptance is ~1)")
+    d.add_argument("--num-speculative-tokens", type=gamma_arg, default="auto",
+                   help="gamma, or 'auto' (default: adaptive per round in [0, 8])")
     d.add_argument("--drafter-args", default="", help="extra arguments for `specdec drafter`, e.g. '--quantize int8'")
     d.add_argument("--verifier-args", default="", help="extra arguments for `specdec verifier`")
     d.add_argument("--temperature", type=float, default=0.0)

@@ -20,8 +20,6 @@ def run_demo(args: argparse.Namespace) -> int:
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     drafter_args = shlex.split(args.drafter_args)
     gamma = args.num_speculative_tokens
-    if gamma is None:
-        gamma = 4 if ("--quantize" in drafter_args or "--model" in drafter_args) else 8
     print("starting drafter and verifier (the first run converts the embedded model once)...", flush=True)
     services = []
     try:

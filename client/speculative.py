@@ -10,6 +10,7 @@ drafts past the rejection point: those are dropped by the next call's truncation
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator, Sequence
@@ -17,21 +18,30 @@ from typing import Iterator, Sequence
 import grpc
 
 from client.pool import Server, ServerPool, parse_addresses
-from specdec.adaptive import AdaptiveGamma
+from specdec.adaptive import AdaptiveGamma, ServingCosts
 from specdec.models import ModelSpec, load_tokenizer, tokenizer_fingerprint
 from specdec.proposals import DENSE, IDS_ONLY, ProposalFormat
 from specdec.sampling import REJECTION, SamplingParams
 from specdec.serving import ModelInfo
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
-from specdec_rpc.adapters import CHANNEL_OPTIONS, model_info_from_pb, proposal_format_to_pb, sampling_to_pb
+from specdec_rpc.adapters import (
+    CHANNEL_OPTIONS,
+    load_from_pb,
+    model_info_from_pb,
+    proposal_format_to_pb,
+    sampling_to_pb,
+)
 from specdec_rpc.ops import TLSFiles, open_channel
 
 log = logging.getLogger(__name__)
 
 
-AUTO = "auto"  # num_speculative_tokens: adaptive γ per round
+AUTO = "auto"  # num_speculative_tokens: adaptive γ per round, 0 included (the default)
 AUTO_GAMMA_MAX = 8
+# A drafter this many tokens behind the committed sequence (its first prefill, a failover)
+# catches up off the critical path, during target-only rounds, instead of inside a Draft.
+ASYNC_CATCHUP_TOKENS = 32
 
 
 class IncompatibleModels(ValueError):
@@ -61,7 +71,8 @@ class GenerationResult:
     # verify, and the rounds whose drafts all came from there (no drafter forward waited for).
     cached_draft_tokens: int = 0
     speculation_hits: int = 0
-    gamma_per_round: list[int] = field(default_factory=list)  # adaptive γ ("auto"): drafts of each round
+    gamma_per_round: list[int] = field(default_factory=list)  # drafts of each round (0: a target-only round)
+    num_speculative_rounds: int = 0  # rounds that verified at least one draft
     # Faults survived. Fallback rounds ran without drafts because no drafter was reachable
     # (the output distribution is the same, only slower); every recovery re-created a
     # verifier session and re-prefilled it from the committed tokens. A failover is a lost
@@ -123,7 +134,7 @@ class SpeculativeClient:
         *,
         tokenizer=None,
         timeout_s: float = 60.0,
-        num_speculative_tokens: int = 4,
+        num_speculative_tokens: int | str = AUTO,
         proposal_format: ProposalFormat | None = None,
         tls_ca: str | None = None,
         tls_cert: str | None = None,
@@ -142,7 +153,9 @@ class SpeculativeClient:
         auth_token: sent as `authorization: Bearer` on every call. recovery_timeout_s: how
         long a generation keeps retrying a restarting verifier before it fails. fanout > 0
         turns on the drafter's speculation cache: while the verifier scores a round, the
-        drafter pre-drafts the next one for its top-`fanout` bonus candidates."""
+        drafter pre-drafts the next one for its top-`fanout` bonus candidates.
+        num_speculative_tokens: γ, or "auto" (default): γ in [0, 8] per round, chosen for
+        goodput from the load the services report (specdec/adaptive.py)."""
         self.timeout_s = timeout_s
         self.num_speculative_tokens = num_speculative_tokens
         self.proposal_format = proposal_format
@@ -152,6 +165,8 @@ class SpeculativeClient:
         self.fanout = fanout  # speculation cache: bonus candidates the drafter pre-drafts per round
         tls = TLSFiles(cert=tls_cert, key=tls_key, ca=tls_ca)
         self._channels: list[grpc.Channel] = []
+        self._costs: dict[str, ServingCosts] = {}  # per verifier address: its load model
+        self._costs_lock = threading.Lock()
 
         def pool(role: str, addresses: list[str], stub_class) -> ServerPool:
             servers = []
@@ -251,6 +266,12 @@ class SpeculativeClient:
             ids = ids["input_ids"]
         return list(ids)
 
+    def costs(self, verifier_address: str) -> ServingCosts:
+        """The load model of one verifier (and the drafters used with it), shared by every
+        generation of this client."""
+        with self._costs_lock:
+            return self._costs.setdefault(verifier_address, ServingCosts())
+
     def effective_gamma(self, gamma: int) -> int:
         """γ as rounds will use it: capped by both services' max_draft_tokens; 0 without a drafter."""
         if gamma <= 0 or self.drafter_info is None:
@@ -285,8 +306,13 @@ class SpeculativeClient:
         fanout: int | None = None,
     ) -> Iterator[StreamChunk]:
         """Yield the tokens committed by each round; the last chunk carries the result.
-        num_speculative_tokens: γ, or "auto" (adaptive γ in [1, 8] per round, see
-        specdec/adaptive.py); fanout: this generation's speculation-cache fanout."""
+        num_speculative_tokens: γ, or "auto" (adaptive γ in [0, 8] per round, see
+        specdec/adaptive.py); fanout: this generation's speculation-cache fanout.
+
+        The first round never drafts: the verifier prefills the prompt and answers the first
+        token as fast as target-only decoding, and the drafter prefills right after, while
+        the next rounds run (target-only with "auto"; a fixed γ waits for it, so that seeded
+        output stays reproducible)."""
         gamma_max = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         adaptive = gamma_max == AUTO
         if adaptive:
@@ -312,7 +338,7 @@ class SpeculativeClient:
                 f"prompt length {len(prompt_ids)} + max_tokens {params.max_tokens} exceeds the verifier's "
                 f"maximum context {max_context}"
             )
-        controller = AdaptiveGamma(gamma_min=1, gamma_max=gamma_max) if adaptive and speculative else None
+        controller = AdaptiveGamma(gamma_min=0, gamma_max=gamma_max) if adaptive and speculative else None
         yield from self._run(prompt_ids, params, gamma_max if speculative else 0, controller, fanout)
 
     # ---- rounds -------------------------------------------------------------------
@@ -335,6 +361,8 @@ class SpeculativeClient:
         # replaced by a new one that is re-prefilled from it (kv = [] -> truncate_to = 0).
         verifier = _Link()  # this generation's verifier session
         self._open_verifier_session(verifier, result)
+        if controller is not None:
+            controller.attach(self.costs(verifier.server.address))
         committed = list(prompt_ids)
         draft_link = _DrafterLink(gamma_max=gamma_max, max_draft_tokens=gamma_max, fanout=fanout)
         emitted_text = ""
@@ -345,8 +373,17 @@ class SpeculativeClient:
             finished = False
             while not finished:
                 remaining = params.max_tokens - len(result.token_ids)
+                costs = self.costs(verifier.server.address)
+                if draft_link.prefill is not None:  # a fixed γ waits for it: the rounds stay reproducible
+                    self._collect_prefill(draft_link, result, block=controller is None)
+                if not gamma_max or result.num_rounds == 0 or draft_link.prefill is not None or costs.disabled:
+                    cap = 0  # the first token is the verifier's alone; no drafts while the drafter catches up
+                elif controller is not None:
+                    controller.costs = costs
+                    cap = controller.next_gamma(draft_link.max_draft_tokens)
+                else:
+                    cap = draft_link.max_draft_tokens
                 # Never draft more than can be kept: the round emits up to gamma + 1 tokens.
-                cap = controller.next_gamma(draft_link.max_draft_tokens) if controller else draft_link.max_draft_tokens
                 gamma = max(0, min(cap, remaining - 1, drafter_context - len(committed)))
                 drafts: list[int] = []
                 proposal = None
@@ -358,6 +395,8 @@ class SpeculativeClient:
                     drafts, proposal = self._draft(draft_link, committed, gamma, sampling, fmt_pb, prompt_length,
                                                    result)
                 draft_s = time.perf_counter() - ts
+                if drafts and draft_link.observed is not None:
+                    costs.observe_draft(*draft_link.observed)
                 ts = time.perf_counter()
                 give_up = time.monotonic() + self.recovery_timeout_s  # bounds the retries of this round
                 while True:
@@ -382,17 +421,19 @@ class SpeculativeClient:
                         result.verifier_recoveries += 1
                 now = time.perf_counter()
                 result.verify_time_s += now - ts
+                # One engine step (no chunked prompt) is a sample of the verifier's step cost.
+                costs.observe_verify(load_from_pb(vresp.load), now - ts, fit=len(committed) - keep <= 2)
                 out = list(vresp.output_token_ids)
                 verifier.kv = committed + out[:-1]
                 _check_kv("verifier", vresp.kv_length, len(verifier.kv))
                 result.num_rounds += 1
                 result.num_draft_tokens += len(drafts)
                 result.num_accepted_tokens += vresp.num_accepted
+                result.num_speculative_rounds += bool(drafts)
+                result.gamma_per_round.append(len(drafts))
                 log.debug("round=%d drafts=%d accepted=%d", result.num_rounds, len(drafts), vresp.num_accepted)
-                if controller is not None and drafts:
-                    if steady:
-                        controller.update(len(drafts), vresp.num_accepted, draft_s, now - ts)
-                    result.gamma_per_round.append(len(drafts))
+                if controller is not None and steady:
+                    controller.update(len(drafts), vresp.num_accepted, draft_s, now - ts)
 
                 new: list[int] = []
                 for i, tok in enumerate(out):
@@ -412,6 +453,10 @@ class SpeculativeClient:
                         result.finish_reason, finished = "length", True
                     if finished:
                         break
+                if gamma_max and not finished and draft_link.prefill is None:
+                    behind = len(committed) - _lcp(draft_link.kv, committed, len(committed))
+                    if not draft_link.kv or behind > ASYNC_CATCHUP_TOKENS:
+                        self._start_prefill(draft_link, committed, sampling, fmt_pb, prompt_length, result)
                 text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
                 stops = params.stop if len(result.token_ids) >= params.min_tokens else ()
                 cut = _find_stop(text, stops, len(emitted_text))
@@ -431,6 +476,9 @@ class SpeculativeClient:
         finally:
             self._end(self.verifiers, verifier)
             if self.drafters is not None:
+                if draft_link.prefill is not None:  # let it land before the session closes
+                    draft_link.prefill[0].cancel()
+                    draft_link.prefill = None
                 self._end(self.drafters, draft_link)
 
     # ---- fault tolerance ------------------------------------------------------------
@@ -471,12 +519,49 @@ class SpeculativeClient:
             result.drafter_fallback_rounds += 1
             return [], None
         drafts = list(resp.draft_token_ids)
+        # A sample of the drafter's step cost when it ran one step per draft for this session
+        # (no long catch-up, no pre-drafted branch).
+        link.observed = None
+        if len(committed) - keep <= 2 and resp.cached_draft_tokens == 0 and drafts:
+            link.observed = (load_from_pb(resp.load), time.perf_counter() - ts, len(drafts))
         result.proposal_bytes += len(resp.proposal.probs) + len(resp.proposal.token_ids)
         result.cached_draft_tokens += resp.cached_draft_tokens
         result.speculation_hits += int(0 < len(drafts) == resp.cached_draft_tokens)
         link.kv = committed + drafts[:-1]
         _check_kv("drafter", resp.kv_length, len(link.kv))
         return drafts, resp.proposal
+
+    def _start_prefill(self, link: "_DrafterLink", committed: list[int], sampling: pb.SamplingParams,
+                       fmt_pb: pb.ProposalFormat, prompt_length: int, result: GenerationResult) -> None:
+        """Bring the drafter's cache up to `committed` in the background (a Draft of γ 0), off
+        the critical path: the rounds go on without drafts until it lands (_collect_prefill)."""
+        if link.session_id is None and not self._connect_drafter(link, result):
+            return
+        keep = _lcp(link.kv, committed, len(committed) - 1)
+        req = pb.DraftRequest(session_id=link.session_id, truncate_to=keep, append_token_ids=committed[keep:],
+                              num_draft_tokens=0, sampling=sampling, proposal_format=fmt_pb,
+                              prompt_length=prompt_length)
+        link.prefill = (link.server.stub.Draft.future(req, timeout=self.timeout_s), list(committed))
+
+    def _collect_prefill(self, link: "_DrafterLink", result: GenerationResult, block: bool) -> None:
+        """Take the background prefill's answer if it is there (or wait for it with `block`).
+        A lost drafter is handled as in _draft: the next round moves the session."""
+        future, sequence = link.prefill
+        if not block and not future.done():
+            return
+        link.prefill = None
+        try:
+            resp = future.result()
+        except grpc.RpcError as exc:
+            if exc.code() not in _DRAFTER_LOST:
+                raise
+            log.warning("drafter %s lost session=%s during its prefill code=%s details=%r", link.server.address,
+                        link.session_id, exc.code().name, exc.details())
+            result.drafter_failures += 1
+            self._lose(self.drafters, link, exc.code())
+            return
+        link.kv = sequence
+        _check_kv("drafter", resp.kv_length, len(link.kv))
 
     def _connect_drafter(self, link: "_DrafterLink", result: GenerationResult) -> bool:
         """Open a drafter session on the least-loaded drafter that answers (its first Draft
@@ -623,6 +708,8 @@ class _DrafterLink(_Link):
     gamma_max: int = 0  # this generation's γ
     fanout: int = 0  # speculation cache: bonus candidates the drafter pre-drafts
     max_draft_tokens: int = 0  # γ on the current drafter: min(gamma_max, its max_draft_tokens)
+    prefill: tuple | None = None  # (future of a background Draft of γ 0, the sequence it appends)
+    observed: tuple | None = None  # (EngineLoad, latency s, steps) of the last Draft, when it samples the step cost
 
 
 def _note_server(link: _Link, lost_from: Server | None, addresses: list[str]) -> int:

@@ -5,6 +5,7 @@ engine pre-drafts the next round of sessions that asked for it (specdec/speculat
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -13,7 +14,7 @@ from specdec.batching import WorkItem
 from specdec.models import CausalLM, ModelSpec, Row
 from specdec.proposals import Proposal, ProposalBuilder, ProposalFormat
 from specdec.sampling import STREAM_DRAFT, SamplingParams, position_uniforms, process_logits
-from specdec.serving import EngineConfig, ServingModel
+from specdec.serving import EngineConfig, EngineLoad, ServingModel
 from specdec.sessions import Session
 from specdec.slot_forward import KVSlot, copy_prefix
 from specdec.speculation import Branch, SpeculationCache, SpeculationJob
@@ -27,6 +28,7 @@ class DraftOut:
     proposal: Proposal  # exactly the distribution each draft token was sampled from
     kv_length: int
     cached_draft_tokens: int = 0  # drafts that came from the speculation cache
+    load: EngineLoad = EngineLoad()
 
 
 @dataclass
@@ -41,6 +43,11 @@ class _Request:
     drafts: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)  # ids the request's next forward appends
     cached: int = 0  # drafts taken from a pre-drafted branch
+    submitted: float = field(default_factory=time.perf_counter)
+    queue_ms: float | None = None  # set at the request's first step
+    started: bool = False  # its first batch looked for a pre-drafted branch already
+    # The engine steps it took part in: [steps, ms, rows, tokens] summed (EngineLoad is their mean).
+    steps: list[float] = field(default_factory=lambda: [0, 0.0, 0, 0])
 
     @property
     def key(self) -> tuple:
@@ -114,20 +121,37 @@ class DrafterEngine(Drafter):
             out["kv_bytes"] += self.speculation.slot_bytes(self.lm.cache_bytes)
         return out
 
-    def _run_batch(self, items: list[WorkItem]) -> None:
+    def _run_batch(self, items: list[WorkItem]) -> list[WorkItem]:
+        """Lockstep drafting, one batched forward per draft position. A step runs at most
+        max_batched_tokens tokens: one per drafting row, then chunks of the appends (prompts)
+        that are longer. A request is answered as soon as its drafts are complete; when only
+        prefills are left they are returned unfinished and the next batch resumes them together
+        with whatever arrived meanwhile, so a long prompt never stalls the others' drafting."""
         reqs: list[_Request] = [it.payload for it in items]
+        pending_items = {id(it.payload): it for it in items}
+        start = time.perf_counter()
         for r in reqs:
-            self._resume_branch(r)
-        stepped = [r for r in reqs if r.pending]  # the requests whose rows the next forward runs, in row order
+            if r.queue_ms is None:
+                r.queue_ms = (start - r.submitted) * 1e3
+            if not r.started:
+                r.started = True
+                self._resume_branch(r)
+        running = self.note_running([r.session.session_id for r in reqs])
         forwards = 0
+        stepped = [r for r in reqs if r.pending]  # the requests whose rows the next forward runs, in row order
+        for r in reqs:
+            if not r.pending:
+                self._settle(pending_items.pop(id(r)), r, running)
         while stepped:
-            logits = self.lm.forward_rows([Row(r.session.cache, r.pending, 1) for r in stepped])  # [1, V] each
+            t_step = time.perf_counter()
+            rows = self._plan_step(stepped)
+            logits = self.lm.forward_rows([Row(r.session.cache, chunk, 1) for r, chunk in rows])  # [1, V] each
             forwards += 1
             drafting = []
-            for r, row_logits in zip(stepped, logits):
-                r.session.tokens.extend(r.pending)
-                r.pending = []
-                if len(r.drafts) < r.num_draft_tokens:
+            for (r, chunk), row_logits in zip(rows, logits):
+                r.session.tokens.extend(chunk)
+                r.pending = r.pending[len(chunk):]
+                if not r.pending and len(r.drafts) < r.num_draft_tokens:
                     drafting.append((r, self._propose(r.session.tokens, r.key, r.builder, row_logits)))
             for (r, _), token in zip(drafting, _read_tokens([t for _, t in drafting])):
                 r.builder.commit(token)
@@ -135,15 +159,46 @@ class DrafterEngine(Drafter):
                 # Every draft but the last is appended, so the next step drafts after it.
                 if len(r.drafts) < r.num_draft_tokens:
                     r.pending = [token]
+            step_ms = (time.perf_counter() - t_step) * 1e3
+            step_tokens = sum(len(chunk) for _, chunk in rows)
+            for r, _ in rows:
+                r.steps[0] += 1
+                r.steps[1] += step_ms
+                r.steps[2] += len(rows)
+                r.steps[3] += step_tokens
+            for r, _ in rows:
+                if not r.pending:
+                    self._settle(pending_items.pop(id(r)), r, running)
             stepped = [r for r in stepped if r.pending]
-        for item, r in zip(items, reqs):
-            try:
-                out = self._finish(r)
-                self._plan_speculation(r)  # while the session is still held
-                item.future.set_result(out)
-            except Exception as exc:  # noqa: BLE001 - this request alone fails
-                item.future.set_exception(exc)
+            if stepped and not any(r.drafts for r in stepped):
+                break  # only prefills left: let the next batch take new arrivals along
         self.stats.add(forwards=forwards)
+        return list(pending_items.values())
+
+    def _plan_step(self, stepped: list[_Request]) -> list[tuple[_Request, list[int]]]:
+        """(request, tokens it appends this step): drafting rows first (one or two tokens each),
+        then prefill chunks in arrival order while the budget lasts; the first row always runs."""
+        left = self.max_batched_tokens
+        rows = []
+        for r in sorted(stepped, key=lambda r: len(r.pending) > 2):  # stable: arrival order within each kind
+            n = min(len(r.pending), left)
+            if n == 0 and rows:
+                continue
+            rows.append((r, r.pending[:max(n, 1)]))
+            left -= n
+        return rows
+
+    def _settle(self, item: WorkItem, r: _Request, running: int) -> None:
+        steps, ms, rows, tokens = r.steps
+        load = EngineLoad(running_sessions=running, step_rows=round(rows / steps) if steps else 0,
+                          step_tokens=round(tokens / steps) if steps else 0, step_ms=ms / steps if steps else 0.0,
+                          queue_ms=r.queue_ms or 0.0)
+        try:
+            out = self._finish(r, load)
+            self._plan_speculation(r)  # while the session is still held
+            item.future.set_result(out)
+        except Exception as exc:  # noqa: BLE001 - this request alone fails
+            item.future.set_exception(exc)
 
     def _propose(self, tokens: list[int], key: tuple, builder: ProposalBuilder, logits: torch.Tensor) -> torch.Tensor:
         """One draft after `tokens` from logits [1, V], as a 0-dim tensor on their device (read back
@@ -239,7 +294,7 @@ class DrafterEngine(Drafter):
         branch.pending = [] if branch.done(job.gamma) else [token]
         self.speculation.stats.draft_tokens += 1
 
-    def _finish(self, r: _Request) -> DraftOut:
+    def _finish(self, r: _Request, load: EngineLoad = EngineLoad()) -> DraftOut:
         session = r.session
         session.length = self.lm.cache_length(session.cache)
         if session.length != len(session.tokens):
@@ -248,4 +303,4 @@ class DrafterEngine(Drafter):
         log.debug("draft session=%s appended=%d drafts=%d kv=%d",
                   session.session_id, len(r.append_token_ids), len(r.drafts), session.length)
         return DraftOut(draft_token_ids=r.drafts, proposal=r.builder.build(), kv_length=session.length,
-                        cached_draft_tokens=r.cached)
+                        cached_draft_tokens=r.cached, load=load)

@@ -7,6 +7,7 @@ from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
 from specdec_rpc.adapters import (
     SessionMethods,
+    load_to_pb,
     proposal_format_from_pb,
     proposal_to_pb,
     rpc_method,
@@ -36,7 +37,8 @@ class DrafterServicer(SessionMethods, pb_grpc.DrafterServicer):
             fanout=request.fanout,
         )
         return pb.DraftResponse(draft_token_ids=out.draft_token_ids, proposal=proposal_to_pb(out.proposal),
-                                kv_length=out.kv_length, cached_draft_tokens=out.cached_draft_tokens)
+                                kv_length=out.kv_length, cached_draft_tokens=out.cached_draft_tokens,
+                                load=load_to_pb(out.load))
 
 
 def start(engine: Drafter, host: str = "127.0.0.1", port: int = 0, **kwargs):

@@ -24,10 +24,32 @@ every draft" or "it rejected one", each state's estimate shrunk towards the pool
 next γ uses the current state's α. With independent acceptance both states estimate the
 same α and nothing changes; with bursts the controller runs long rounds inside a copy
 and short ones outside it.
+
+Under load (`ServingCosts`, shared by all generations of a client): the costs a session
+measures for itself hide what its drafts cost everyone else. Its verify waits for a batch
+full of the other sessions' drafts whether or not it sends its own, so each session alone
+would always find speculation worth it, even when all of them together would be faster
+without. So the services report, with every answer, the engine step that served it
+(`EngineLoad`: rows, tokens, milliseconds) and how many sessions are running (B); the client
+fits each engine's step cost against step size (verifier: seconds = a + b·tokens; drafter:
+seconds = a + b·rows) and chooses the γ that maximises goodput when every running session
+uses it (SmartSpec, arXiv 2406.14066):
+
+    rate(γ) = E(γ) / (o_d + γ·T_d(B) + o_v + T_v(B·(γ + 1)))     rate(0) = 1 / (o_v + T_v(B))
+
+o_d, o_v are what a call costs beyond its engine steps (gRPC, serialization), measured as
+latency minus reported engine time. The terms add up because on a shared host the two
+engines take turns on the cores (with separate devices this is the latency of one round,
+and the overlap between sessions is a bonus the model does not count). γ = 0 wins when
+batched drafting and wide verifies cost more than they save; sessions then run target-only
+rounds, and every `probe_every` of them one short round re-measures α and the drafter, so
+the estimates never go stale and speculation resumes when the load drops. A verifier that
+reports `speculation_disabled` (its operator's cap) gets γ = 0 without probes.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 
@@ -38,6 +60,110 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
+class LinearCost:
+    """Decayed least-squares fit of seconds = a + b·x (x: tokens or rows of an engine step).
+    Until x has varied the slope is unknown: then b = a / prior_doubling, the prior that
+    the step costs twice as much `prior_doubling` units further on."""
+
+    def __init__(self, decay: float = 0.95, prior_doubling: float = 32.0) -> None:
+        self.decay = decay
+        self.prior_doubling = prior_doubling
+        self._s = [0.0] * 5  # decayed sums of 1, x, x², t, x·t
+
+    @property
+    def weight(self) -> float:
+        return self._s[0]
+
+    def add(self, x: float, t: float) -> None:
+        self._s = [self.decay * s + v for s, v in zip(self._s, (1.0, x, x * x, t, x * t))]
+
+    def fit(self) -> tuple[float, float]:
+        w, sx, sxx, st, sxt = self._s
+        if w <= 0:
+            return 0.0, 0.0
+        det = w * sxx - sx * sx
+        if det > 1e-6 * w * w * max(1.0, sx / w) ** 2:  # x varied enough to see a slope
+            b = max(0.0, (w * sxt - sx * st) / det)
+            return max(0.0, (st - b * sx) / w), b
+        mean_x, mean_t = sx / w, st / w
+        # t = a + a·x / prior_doubling through the observed mean
+        a = mean_t / (1.0 + mean_x / self.prior_doubling)
+        return a, a / self.prior_doubling
+
+    def __call__(self, x: float) -> float:
+        a, b = self.fit()
+        return a + b * x
+
+
+class ServingCosts:
+    """What a client has learnt about its services under the current load, shared by all
+    its generations (thread-safe): each engine's step cost against step size, the per-call
+    overheads, the running sessions B, and the acceptance of recent generations (the prior
+    of a new one). Fed by every round's `EngineLoad` reports."""
+
+    MIN_DRAFT_SAMPLES = 1.0  # decayed weight of draft-step samples before the model is used
+    MIN_VERIFY_SAMPLES = 1.0
+
+    def __init__(self, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.verify = LinearCost(decay, prior_doubling=32.0)  # seconds per verifier step vs its tokens
+        self.draft = LinearCost(decay, prior_doubling=8.0)  # seconds per drafter step vs its rows
+        self.verify_overhead = 0.0  # seconds per Verify call beyond the engine step
+        self.draft_overhead = 0.0  # seconds per Draft call beyond its engine steps
+        self.running = 1  # sessions running on the verifier (B)
+        self.disabled = False  # the verifier asks for no drafts (--speculative-disable-by-batch-size)
+        self._alpha = [0.0, 0.0]  # decayed [accepted, trials] of all generations
+        self._lock = threading.Lock()
+
+    def ready(self) -> bool:
+        with self._lock:
+            return self.verify.weight >= self.MIN_VERIFY_SAMPLES and self.draft.weight >= self.MIN_DRAFT_SAMPLES
+
+    def observe_verify(self, load, latency_s: float, fit: bool = True) -> None:
+        """load: the verifier's EngineLoad for one call; fit: the call was one engine step
+        (no chunked prefill), so its cost and overhead are a sample of the model."""
+        with self._lock:
+            self.running = max(1, load.running_sessions)
+            self.disabled = load.speculation_disabled
+            if fit and load.step_tokens > 0:
+                step_s = load.step_ms / 1e3
+                self.verify.add(load.step_tokens, step_s)
+                over = max(0.0, latency_s - step_s - load.queue_ms / 1e3)
+                self.verify_overhead = self._mix(self.verify_overhead, over, self.verify.weight)
+
+    def observe_draft(self, load, latency_s: float, steps: int) -> None:
+        """load: the drafter's EngineLoad for a Draft that ran `steps` engine steps of one
+        row each for this session (γ drafts, no long catch-up)."""
+        if steps <= 0 or load.step_rows <= 0:
+            return
+        with self._lock:
+            step_s = load.step_ms / 1e3
+            self.draft.add(load.step_rows, step_s)
+            over = max(0.0, latency_s - steps * step_s - load.queue_ms / 1e3)
+            self.draft_overhead = self._mix(self.draft_overhead, over, self.draft.weight)
+
+    def observe_acceptance(self, proposed: int, accepted: int) -> None:
+        with self._lock:
+            failures = 1 if accepted < proposed else 0
+            self._alpha = [self.decay * self._alpha[0] + accepted, self.decay * self._alpha[1] + accepted + failures]
+
+    def alpha(self, default: float) -> float:
+        with self._lock:
+            return self._alpha[0] / self._alpha[1] if self._alpha[1] > 0 else default
+
+    def round_s(self, gamma: int) -> float:
+        """Seconds of one round per session when all B running sessions use `gamma`."""
+        with self._lock:
+            b = self.running
+            verify = self.verify_overhead + self.verify(b * (gamma + 1))
+            if gamma == 0:
+                return verify
+            return self.draft_overhead + gamma * self.draft(b) + verify
+
+    def _mix(self, old: float, new: float, weight: float) -> float:
+        return new if weight <= 1.0 else self.decay * old + (1 - self.decay) * new
+
+
 @dataclass
 class AdaptiveGamma:
     gamma_min: int = 1
@@ -46,6 +172,9 @@ class AdaptiveGamma:
     prior_alpha: float = 0.8
     prior_weight: float = 2.0  # pseudo-trials behind the prior
     markov: bool = True  # condition α on whether the last round accepted every draft
+    costs: ServingCosts | None = None  # the client's load model: goodput under load (see the module doc)
+    probe_every: int = 16  # after this many γ = 0 rounds, one short round re-measures
+    probe_gamma: int = 2
     _successes: float = 0.0
     _trials: float = 0.0
     # per state (0: the last round rejected a draft, 1: it accepted all): decayed [successes, trials]
@@ -54,12 +183,23 @@ class AdaptiveGamma:
     _c_draft: float | None = None  # seconds per drafted token
     # decayed sums over rounds of 1, γ, γ², t, γ·t (t = verify seconds): a least-squares fit of t = a + b·γ
     _v: list[float] = field(default_factory=lambda: [0.0] * 5)
+    _zero_rounds: int = 0  # γ = 0 rounds in a row (load model)
 
     def __post_init__(self) -> None:
         if not 0 <= self.gamma_min <= self.gamma_max:
             raise ValueError(f"need 0 <= gamma_min <= gamma_max, got {self.gamma_min}, {self.gamma_max}")
+        if self.costs is not None:
+            self.attach(self.costs)
         self._successes = self.prior_alpha * self.prior_weight
         self._trials = self.prior_weight
+
+    def attach(self, costs: ServingCosts) -> None:
+        """Use `costs` as the load model; a generation that has not run a round yet starts
+        from the acceptance of the client's recent generations."""
+        self.costs = costs
+        if self._trials == self.prior_weight and self._successes == self.prior_alpha * self.prior_weight:
+            self.prior_alpha = costs.alpha(self.prior_alpha)
+            self._successes = self.prior_alpha * self.prior_weight
 
     @property
     def pooled_alpha(self) -> float:
@@ -75,9 +215,13 @@ class AdaptiveGamma:
         return (successes + self.prior_weight * pooled) / (trials + self.prior_weight)
 
     def update(self, proposed: int, accepted: int, draft_s: float, verify_s: float) -> None:
-        """Record one round: `accepted` of `proposed` drafts, and its measured costs."""
+        """Record one round: `accepted` of `proposed` drafts, and its measured costs (a round
+        without drafts gives the verify cost at γ = 0 only)."""
         if proposed <= 0:
+            self._v = [self.decay * s + x for s, x in zip(self._v, (1.0, 0.0, 0.0, verify_s, 0.0))]
             return
+        if self.costs is not None:
+            self.costs.observe_acceptance(proposed, accepted)
         failures = 1 if accepted < proposed else 0
         self._successes = self.decay * self._successes + accepted
         self._trials = self.decay * self._trials + accepted + failures
@@ -99,14 +243,31 @@ class AdaptiveGamma:
         return a, b
 
     def next_gamma(self, limit: int | None = None) -> int:
-        """The γ with the highest expected tokens per second, within [gamma_min, min(gamma_max, limit)]."""
+        """The γ with the highest expected tokens per second, within [gamma_min, min(gamma_max, limit)]:
+        goodput of all running sessions with a load model (`costs`), else this session's own rate."""
         hi = self.gamma_max if limit is None else max(self.gamma_min, min(self.gamma_max, limit))
-        if self._c_draft is None:
-            return hi
         alpha = self.alpha
-        a, b = self.verify_cost()
+        if self.costs is not None and self.costs.disabled:
+            return self.gamma_min
+        if self.costs is not None and self.costs.ready():
+            costs = self.costs
 
-        def rate(g: int) -> float:
-            return expected_tokens(alpha, g) / (g * (self._c_draft + b) + a)
+            def rate(g: int) -> float:
+                return expected_tokens(alpha, g) / max(costs.round_s(g), 1e-9)
+        elif self._c_draft is None:
+            return hi
+        else:
+            a, b = self.verify_cost()
 
-        return max(range(self.gamma_min, hi + 1), key=rate)
+            def rate(g: int) -> float:
+                return expected_tokens(alpha, g) / max(g * (self._c_draft + b) + a, 1e-9)
+
+        best = max(range(self.gamma_min, hi + 1), key=rate)
+        if best > 0 or hi == 0:
+            self._zero_rounds = 0
+            return best
+        self._zero_rounds += 1
+        if self._zero_rounds > self.probe_every:  # a cheap probe keeps α and the draft cost current
+            self._zero_rounds = 0
+            return min(self.probe_gamma, hi)
+        return 0

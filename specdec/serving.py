@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 from specdec.batching import BatchPolicy, BatchScheduler, WorkItem
@@ -32,6 +33,43 @@ class ModelInfo:
     dtype: str
     device: str
     max_draft_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """The load a service carried when it answered one call (protocol: EngineLoad). The
+    client's adaptive γ fits step cost against step size from these, and reads how many
+    sessions share the engine, to see whether speculation still pays (specdec/adaptive.py)."""
+
+    running_sessions: int = 0  # live sessions that called within RUNNING_WINDOW_S
+    step_rows: int = 0  # requests in the step that served the call (drafter: mean over its steps)
+    step_tokens: int = 0  # tokens that step ran through the model (drafter: mean over its steps)
+    step_ms: float = 0.0  # engine time of that step (drafter: mean per step)
+    queue_ms: float = 0.0  # wait before the call's first step
+    speculation_disabled: bool = False  # the verifier's --speculative-disable-by-batch-size is reached
+
+
+RUNNING_WINDOW_S = 2.0  # a session that called within this many seconds counts as running
+
+
+class RunningSessions:
+    """Which sessions are in a generation right now: those that called within the window and
+    are still open. Used on the engine thread only."""
+
+    def __init__(self, window_s: float = RUNNING_WINDOW_S) -> None:
+        self.window_s = window_s
+        self._last: dict[str, float] = {}
+
+    def touch(self, session_ids, now: float) -> None:
+        for sid in session_ids:
+            self._last[sid] = now
+
+    def count(self, now: float, alive) -> int:
+        """alive(session_id) -> bool: closed sessions stop counting at once."""
+        cutoff = now - self.window_s
+        for sid in [sid for sid, t in self._last.items() if t < cutoff or not alive(sid)]:
+            del self._last[sid]
+        return len(self._last)
 
 
 @dataclass
@@ -67,6 +105,16 @@ class EngineConfig:
     max_wait_ms: float = 10.0
     speculation_slots: int = 16  # drafter: KV slots for pre-drafted branches (DraftRequest.fanout), all sessions
     sampler_backend: str = "auto"  # verifier: "auto" | "torch" | "triton" (specdec.verification.resolve_backend)
+    # Tokens one engine step runs through the model (vLLM's --max-num-batched-tokens): longer
+    # appends are prefilled in chunks between other sessions' steps. None: DEFAULT_BATCHED_TOKENS.
+    max_num_batched_tokens: int | None = None
+    # Verifier: at this many running sessions, tell clients to stop drafting (vLLM's name); 0 = never.
+    speculative_disable_by_batch_size: int = 0
+
+
+# Chunk budget per step when none is given: on a CPU a 256-token float32 step of a small model
+# costs a few decode steps (bounded stalls); on a GPU, 2048 keeps prefill efficient.
+DEFAULT_BATCHED_TOKENS = {"cpu": 256, "cuda": 2048}
 
 
 class ServingModel:
@@ -83,6 +131,12 @@ class ServingModel:
     def __init__(self, spec: ModelSpec, config: EngineConfig = EngineConfig(), lm: CausalLM | None = None) -> None:
         self.spec = spec
         self.config = config
+        device_type = "cuda" if str(spec.device).startswith("cuda") else "cpu"
+        self.max_batched_tokens = config.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS[device_type]
+        # One step must hold any single verify: the longest draft, its catch-up token and its bonus.
+        if self.max_batched_tokens < config.max_draft_tokens + 2:
+            raise ValueError(f"--max-num-batched-tokens must be >= --max-draft-tokens + 2 = {config.max_draft_tokens + 2}"
+                             f", got {self.max_batched_tokens}")
         self.lm = lm or CausalLM(spec)
         budget = None if config.kv_budget_mb is None else int(config.kv_budget_mb * 2**20)
         max_sessions = self._configure_pool(config, budget)
@@ -95,6 +149,7 @@ class ServingModel:
             name=self.role, idle=self._idle,
         )
         self.stats = ServingStats()
+        self.running = RunningSessions()
         self.info = ModelInfo(
             role=self.role,
             model=spec.display_name,
@@ -192,7 +247,13 @@ class ServingModel:
         self.stats.add(requests=1)
         return result
 
-    def _run_batch(self, items: list[WorkItem]) -> None:
+    def note_running(self, session_ids, now: float | None = None) -> int:
+        """Engine thread: mark `session_ids` as running; returns how many sessions run now."""
+        now = time.monotonic() if now is None else now
+        self.running.touch(session_ids, now)
+        return self.running.count(now, self.sessions.__contains__)
+
+    def _run_batch(self, items: list[WorkItem]) -> list[WorkItem] | None:
         raise NotImplementedError
 
     def _idle(self) -> bool:

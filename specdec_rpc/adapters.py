@@ -16,7 +16,7 @@ import grpc
 from specdec.errors import InvalidArgument, OutOfRange, ResourceExhausted, SessionBusy, SessionNotFound, SpecDecError
 from specdec.proposals import DENSE, IDS_ONLY, SPARSE, Proposal, ProposalFormat
 from specdec.sampling import SamplingParams
-from specdec.serving import ModelInfo, ServingModel
+from specdec.serving import EngineLoad, ModelInfo, ServingModel
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc.ops import (
     SERVER_OPTIONS, ServerOps, TLSFiles, caller_owner, load_tokens, server_credentials, wrap_stop,
@@ -288,3 +288,14 @@ def run_until_signal(server: grpc.Server, grace_s: float = 5.0) -> None:
     done.wait()
     log.info("shutdown signal received; draining for up to %.1f s", grace_s)
     server.stop(grace_s).wait()
+
+
+def load_to_pb(load: EngineLoad) -> pb.EngineLoad:
+    return pb.EngineLoad(running_sessions=load.running_sessions, step_rows=load.step_rows,
+                         step_tokens=load.step_tokens, step_ms=load.step_ms, queue_ms=load.queue_ms,
+                         speculation_disabled=load.speculation_disabled)
+
+
+def load_from_pb(msg: pb.EngineLoad) -> EngineLoad:
+    return EngineLoad(running_sessions=msg.running_sessions, step_rows=msg.step_rows, step_tokens=msg.step_tokens,
+                      step_ms=msg.step_ms, queue_ms=msg.queue_ms, speculation_disabled=msg.speculation_disabled)

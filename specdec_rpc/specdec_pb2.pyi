@@ -167,16 +167,34 @@ class DraftRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., truncate_to: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., proposal_format: _Optional[_Union[ProposalFormat, _Mapping]] = ..., prompt_length: _Optional[int] = ..., fanout: _Optional[int] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("draft_token_ids", "proposal", "kv_length", "cached_draft_tokens")
+    __slots__ = ("draft_token_ids", "proposal", "kv_length", "cached_draft_tokens", "load")
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     KV_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CACHED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     proposal: Proposal
     kv_length: int
     cached_draft_tokens: int
-    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., kv_length: _Optional[int] = ..., cached_draft_tokens: _Optional[int] = ...) -> None: ...
+    load: EngineLoad
+    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., kv_length: _Optional[int] = ..., cached_draft_tokens: _Optional[int] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ...) -> None: ...
+
+class EngineLoad(_message.Message):
+    __slots__ = ("running_sessions", "step_rows", "step_tokens", "step_ms", "queue_ms", "speculation_disabled")
+    RUNNING_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    STEP_ROWS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_DISABLED_FIELD_NUMBER: _ClassVar[int]
+    running_sessions: int
+    step_rows: int
+    step_tokens: int
+    step_ms: float
+    queue_ms: float
+    speculation_disabled: bool
+    def __init__(self, running_sessions: _Optional[int] = ..., step_rows: _Optional[int] = ..., step_tokens: _Optional[int] = ..., step_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., speculation_disabled: _Optional[bool] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "truncate_to", "append_token_ids", "draft_token_ids", "proposal", "sampling", "prompt_length")
@@ -209,16 +227,18 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("output_token_ids", "num_accepted", "kv_length", "logprobs")
+    __slots__ = ("output_token_ids", "num_accepted", "kv_length", "logprobs", "load")
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     KV_LENGTH_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_accepted: int
     kv_length: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, output_token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., kv_length: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    load: EngineLoad
+    def __init__(self, output_token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., kv_length: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

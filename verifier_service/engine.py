@@ -3,9 +3,10 @@ waiting session, then one batched speculative-sampling call."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,7 +16,7 @@ from specdec.errors import InvalidArgument
 from specdec.models import Row
 from specdec.proposals import IDS_ONLY, Proposal, decode_proposal
 from specdec.sampling import GREEDY, REJECTION, STREAM_VERIFY, SamplingParams, position_uniforms, process_logits, top_logprobs
-from specdec.serving import ServingModel
+from specdec.serving import EngineLoad, ServingModel
 from specdec.sessions import Session
 from specdec.verification import PLACEHOLDER_TOKEN_ID, resolve_backend, speculative_sample
 
@@ -36,17 +37,25 @@ class VerifyOut:
     num_accepted: int
     kv_length: int  # committed + accepted drafts; the last output token is not cached yet
     logprobs: list[TokenLogprob] | None = None  # one per output token when requested
+    load: EngineLoad = EngineLoad()
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Request:
     session: Session  # held exclusively by the submitting thread, already truncated
-    append_token_ids: list[int]
+    append_token_ids: list[int]  # what is still to append: chunked prefill moves its head into the session
     draft_token_ids: list[int]
     q: torch.Tensor | None  # [K, V] proposal; None for greedy, typical or one-hot
     q_sums: torch.Tensor | None  # [K] row sums of q (a drafter sampling by inverse CDF samples q / sum)
     params: SamplingParams
     prompt_length: int
+    submitted: float = field(default_factory=time.perf_counter)
+    queue_ms: float | None = None  # set at the request's first step
+
+    @property
+    def width(self) -> int:
+        """Tokens its final step runs: the rest of the append and every draft."""
+        return len(self.append_token_ids) + len(self.draft_token_ids)
 
 
 class VerifierEngine(ServingModel):
@@ -93,12 +102,36 @@ class VerifierEngine(ServingModel):
             q = decode_proposal(proposal, k, self.lm.vocab_size)
             if proposal.kind == IDS_ONLY and proposal.shape != (k,):
                 raise InvalidArgument("proposal.shape", f"ids-only proposals are [{k}], got {list(proposal.shape)}")
+            # A draft its own proposal gives no mass cannot have been sampled from it; accepting it
+            # (u·q < p holds for any p > 0 when q = 0) would bias the output towards such drafts.
+            q_at_draft = q[torch.arange(k), torch.tensor(draft_token_ids, dtype=torch.long)]  # [K]
+            if not bool((q_at_draft > 0).all()):
+                i = int((q_at_draft > 0).logical_not().nonzero()[0, 0])
+                raise InvalidArgument("proposal", f"gives draft token {draft_token_ids[i]} at position {i} probability "
+                                                  "0: drafts must be sampled from the proposal sent with them")
         with self.sessions.use(session_id, truncate_to, owner) as session:
             return self.submit(_Request(session, append_token_ids, draft_token_ids, q,
                                         None if q is None else q.sum(dim=-1), params, prompt_length))
 
-    def _run_batch(self, items: list[WorkItem]) -> None:
-        reqs: list[_Request] = [it.payload for it in items]
+    def _run_batch(self, items: list[WorkItem]) -> list[WorkItem]:
+        """One forward of at most max_batched_tokens tokens. Requests that fit whole are verified;
+        a longer append (a prompt) takes a chunk of what is left and comes back in the next
+        step (returned unfinished), so it never stalls the others' rounds for more than a chunk."""
+        start = time.perf_counter()
+        reqs, chunks, waiting = self._plan_step([it.payload for it in items])
+        unfinished = {id(r) for r in waiting} | {id(r) for r, _ in chunks}
+        rows = [Row(r.session.cache, r.append_token_ids + r.draft_token_ids, len(r.draft_token_ids) + 1)
+                for r in reqs] + [Row(r.session.cache, chunk, 1) for r, chunk in chunks]
+        for r in reqs + [r for r, _ in chunks]:
+            if r.queue_ms is None:
+                r.queue_ms = (start - r.submitted) * 1e3
+        running = self.note_running([r.session.session_id for r in reqs] + [r.session.session_id for r, _ in chunks])
+        step_tokens = sum(len(row.token_ids) for row in rows)
+        if not reqs:  # prefill chunks only
+            self.lm.forward_rows(rows)
+            self.stats.add(forwards=1)
+            self._advance_chunks(chunks)
+            return [it for it in items if id(it.payload) in unfinished]
         vocab = self.lm.vocab_size
         k_max = max(len(r.draft_token_ids) for r in reqs)
         b = len(reqs)
@@ -136,8 +169,8 @@ class VerifierEngine(ServingModel):
             posterior_alpha=torch.tensor([r.params.posterior_alpha for r in reqs]).to(dev),
             q_sums=None if q_sums is None else q_sums.to(dev),
         )
-        logits = self.lm.forward_rows(  # B x [K_b + 1, V]
-            [Row(r.session.cache, r.append_token_ids + r.draft_token_ids, len(r.draft_token_ids) + 1) for r in reqs])
+        logits = self.lm.forward_rows(rows)[:b]  # B x [K_b + 1, V]; the chunks' logits are not needed
+        self._advance_chunks(chunks)
         target = torch.zeros(b, k_max + 1, vocab, device=dev)  # [B, K + 1, V]; rows past K_b + 1 are never read
         for i, (r, lg) in enumerate(zip(reqs, logits)):
             ctx = self.token_context(r.session.tokens + r.append_token_ids, r.prompt_length)
@@ -145,14 +178,49 @@ class VerifierEngine(ServingModel):
         out = speculative_sample(target, backend=self.sampler_backend, **sampler_args)
         self.stats.add(forwards=1)
         # The batch's only device-to-host transfers: the accepted counts and the emitted ids.
-        accepted, rows = out.num_accepted.tolist(), out.output_token_ids.tolist()
-        for i, (item, r) in enumerate(zip(items, reqs)):
+        accepted, emitted = out.num_accepted.tolist(), out.output_token_ids.tolist()
+        load = EngineLoad(running_sessions=running, step_rows=len(rows), step_tokens=step_tokens,
+                          step_ms=(time.perf_counter() - start) * 1e3,
+                          speculation_disabled=0 < self.config.speculative_disable_by_batch_size <= running)
+        by_request = {id(it.payload): it for it in items}
+        for i, r in enumerate(reqs):
+            item = by_request[id(r)]
             try:
-                item.future.set_result(self._finish(r, target[i], accepted[i], rows[i]))
+                item.future.set_result(self._finish(r, target[i], accepted[i], emitted[i],
+                                                    dataclasses.replace(load, queue_ms=r.queue_ms)))
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 item.future.set_exception(exc)
+        return [it for it in items if id(it.payload) in unfinished]
 
-    def _finish(self, r: _Request, p: torch.Tensor, n_acc: int, row: list[int]) -> VerifyOut:
+    def _plan_step(self, reqs: list[_Request]) -> tuple[list[_Request], list[tuple[_Request, list[int]]], list[_Request]]:
+        """Split a step's token budget as vLLM's chunked prefill does: decode rounds first (a
+        verify of a few tokens, in arrival order), then chunks of the longer appends (prompts)
+        while budget is left; the rest waits for the next step. Something always advances.
+        Returns (verified whole, [(request, chunk of its append)], waiting)."""
+        left = self.max_batched_tokens
+        whole, chunks, waiting = [], [], []
+        short = self.config.max_draft_tokens + 2  # the widest decode round: drafts, a catch-up token, the last
+        for r in [r for r in reqs if r.width <= short] + [r for r in reqs if r.width > short]:
+            if r.width <= left:
+                whole.append(r)
+                left -= r.width
+            elif len(r.append_token_ids) > 1 and (left > 0 or not (whole or chunks)):
+                # Keep at least the last appended token for the final step: its logits start the verify.
+                n = min(max(left, 1), len(r.append_token_ids) - 1)
+                chunks.append((r, r.append_token_ids[:n]))
+                left -= n
+            else:
+                waiting.append(r)
+        return whole, chunks, waiting
+
+    def _advance_chunks(self, chunks: list[tuple[_Request, list[int]]]) -> None:
+        """The chunks are in their sessions' caches now: move them from the requests' appends."""
+        for r, chunk in chunks:
+            r.session.tokens.extend(chunk)
+            r.session.length = len(r.session.tokens)
+            r.append_token_ids = r.append_token_ids[len(chunk):]
+
+    def _finish(self, r: _Request, p: torch.Tensor, n_acc: int, row: list[int], load: EngineLoad) -> VerifyOut:
         """p: [>= n_acc + 1, V] the processed target distribution of r's positions."""
         session = r.session
         k = len(r.draft_token_ids)
@@ -167,4 +235,5 @@ class VerifierEngine(ServingModel):
         self.stats.add(draft_tokens=k, accepted_tokens=n_acc, emitted_tokens=n_acc + 1)
         log.debug("verify session=%s appended=%d drafts=%d accepted=%d kv=%d",
                   session.session_id, len(r.append_token_ids), k, n_acc, session.length)
-        return VerifyOut(output_token_ids=emitted, num_accepted=n_acc, kv_length=session.length, logprobs=logprobs)
+        return VerifyOut(output_token_ids=emitted, num_accepted=n_acc, kv_length=session.length, logprobs=logprobs,
+                         load=load)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
-from specdec_rpc.adapters import SessionMethods, proposal_from_pb, rpc_method, run_until_signal, sampling_from_pb, serve
+from specdec_rpc.adapters import SessionMethods, load_to_pb, proposal_from_pb, rpc_method, run_until_signal, sampling_from_pb, serve
 from specdec_rpc.ops import caller_owner
 from verifier_service.engine import VerifierEngine
 
@@ -29,6 +29,7 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
             output_token_ids=out.output_token_ids, num_accepted=out.num_accepted, kv_length=out.kv_length,
             logprobs=[pb.TokenLogprobs(logprob=lp.logprob, rank=lp.rank, top_token_ids=lp.top_token_ids,
                                        top_logprobs=lp.top_logprobs) for lp in out.logprobs or []],
+            load=load_to_pb(out.load),
         )
 
 

@@ -1,0 +1,295 @@
+"""Speculation that never loses (issue 16): the load-aware γ controller down to 0, the first
+token at target-only speed, chunked prefill, and the refusal of an inconsistent proposal.
+
+Unit tests drive the controller with synthetic engine reports; integration tests run real
+services as processes on loopback ports.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from client.launcher import start_service
+from specdec.adaptive import AdaptiveGamma, ServingCosts, expected_tokens
+from specdec.serving import EngineLoad
+from tests.conftest import SERVICE_THREADS
+
+# ---- the controller, on synthetic costs ---------------------------------------------------
+
+
+def _feed(costs: ServingCosts, running: int, verify_ms, draft_ms, rounds: int = 30) -> None:
+    """Engine reports of `rounds` rounds at `running` sessions: verify steps of every width
+    the sessions could send (1..9 tokens each) and drafter steps of 1..running rows.
+    verify_ms(tokens), draft_ms(rows): the synthetic step costs."""
+    for i in range(rounds):
+        width = running * (1 + i % 9)
+        costs.observe_verify(EngineLoad(running_sessions=running, step_rows=running, step_tokens=width,
+                                        step_ms=verify_ms(width)), latency_s=verify_ms(width) / 1e3 + 0.001)
+        rows = 1 + i % running
+        costs.observe_draft(EngineLoad(running_sessions=running, step_rows=rows, step_tokens=rows,
+                                       step_ms=draft_ms(rows)), latency_s=4 * draft_ms(rows) / 1e3 + 0.001, steps=4)
+
+
+def _accept_all(ctl: AdaptiveGamma, rounds: int = 10) -> None:
+    for _ in range(rounds):
+        ctl.update(4, 4, draft_s=0.01, verify_s=0.05)
+
+
+def test_controller_picks_zero_when_batched_drafting_loses_and_returns_when_it_recovers():
+    """A GPU-like verifier (flat step cost) with a drafter whose step grows per row: alone,
+    speculation pays (γ > 0); at 16 sessions each drafted token costs more than a verify
+    step, so γ = 0; when the load drops again, γ > 0 comes back."""
+    costs = ServingCosts()
+    ctl = AdaptiveGamma(gamma_min=0, gamma_max=8, costs=costs, probe_every=1000)
+    _accept_all(ctl)  # acceptance ~1: the drafts are good, only the costs decide
+    verify = lambda tokens: 20.0 + 0.05 * tokens  # noqa: E731 - ms per verifier step
+    draft = lambda rows: 4.0 + 3.0 * rows  # noqa: E731 - ms per drafter step
+
+    _feed(costs, 1, verify, draft)
+    alone = ctl.next_gamma()
+    assert alone >= 4
+    _feed(costs, 16, verify, draft)
+    assert costs.running == 16
+    assert ctl.next_gamma() == 0
+    # the model's reason: at B = 16 one drafted token costs more than the verify step it saves
+    assert costs.round_s(0) < costs.round_s(1) / expected_tokens(ctl.alpha, 1)
+    _feed(costs, 1, verify, draft)
+    assert ctl.next_gamma() >= 4
+
+
+def test_controller_probes_while_it_stays_at_zero():
+    costs = ServingCosts()
+    ctl = AdaptiveGamma(gamma_min=0, gamma_max=8, costs=costs, probe_every=5, probe_gamma=2)
+    _accept_all(ctl)
+    _feed(costs, 16, lambda t: 20.0 + 0.05 * t, lambda r: 4.0 + 3.0 * r)
+    picks = [ctl.next_gamma() for _ in range(18)]
+    assert picks.count(0) == 15 and picks.count(2) == 3  # every 6th round re-measures with γ 2
+    assert picks[5] == picks[11] == picks[17] == 2
+
+
+def test_controller_follows_the_verifiers_disable_flag():
+    costs = ServingCosts()
+    ctl = AdaptiveGamma(gamma_min=0, gamma_max=8, costs=costs, probe_every=2)
+    _accept_all(ctl)
+    _feed(costs, 1, lambda t: 20.0, lambda r: 1.0)
+    assert ctl.next_gamma() > 0
+    costs.observe_verify(EngineLoad(running_sessions=9, step_rows=9, step_tokens=9, step_ms=20.0,
+                                    speculation_disabled=True), latency_s=0.021)
+    assert [ctl.next_gamma() for _ in range(6)] == [0] * 6  # no probes either: the operator said no
+    costs.observe_verify(EngineLoad(running_sessions=1, step_rows=1, step_tokens=1, step_ms=20.0), latency_s=0.021)
+    assert ctl.next_gamma() > 0
+
+
+def test_controller_without_a_load_model_chooses_zero_from_its_own_costs():
+    """A session's own measurements: drafts that cost more than a verify step are not worth it."""
+    ctl = AdaptiveGamma(gamma_min=0, gamma_max=8, decay=0.5, probe_every=1000)
+    for g in (0, 2, 4, 0, 3):
+        ctl.update(g, g // 2, draft_s=0.2 * g, verify_s=0.05 + 0.01 * g)
+    assert ctl.next_gamma() == 0
+    for _ in range(8):
+        ctl.update(4, 4, draft_s=0.004, verify_s=0.06)
+    assert ctl.next_gamma() > 0
+
+
+def test_linear_cost_fits_a_slope_and_falls_back_to_its_prior():
+    from specdec.adaptive import LinearCost
+
+    fit = LinearCost(decay=1.0)
+    for x in (1, 5, 9, 13):
+        fit.add(x, 0.02 + 0.003 * x)
+    a, b = fit.fit()
+    assert a == pytest.approx(0.02, rel=1e-6) and b == pytest.approx(0.003, rel=1e-6)
+    flat = LinearCost(decay=1.0, prior_doubling=32.0)
+    for _ in range(3):
+        flat.add(4, 0.036)
+    a, b = flat.fit()
+    assert b == pytest.approx(a / 32) and a + 4 * b == pytest.approx(0.036)
+
+
+# ---- services --------------------------------------------------------------------------------
+
+
+PROMPTS = [
+    "Write two sentences about the history of the printing press.",
+    "List five fruits and one fact about each of them.",
+    "Explain what a hash table is to a ten year old.",
+    "Give three tips for writing clear commit messages.",
+    "Describe the water cycle in a short paragraph.",
+    "What is the difference between a list and a tuple in Python?",
+    "Write a limerick about a cat who learns to code.",
+    "Summarize the plot of a heist movie in four sentences.",
+]
+
+
+@pytest.fixture(scope="module")
+def capped_pair():
+    """A verifier that disables speculation at 4 running sessions, and a drafter; both
+    with small chunk budgets so that prompts are prefilled in several steps."""
+    with start_service("verifier", ["--max-draft-tokens", "8", "--speculative-disable-by-batch-size", "4",
+                                    "--max-num-batched-tokens", "64", "--log-level", "WARNING"],
+                       threads=SERVICE_THREADS) as verifier, \
+         start_service("drafter", ["--max-draft-tokens", "8", "--max-num-batched-tokens", "64",
+                                   "--log-level", "WARNING"], threads=SERVICE_THREADS) as drafter:
+        yield verifier, drafter
+
+
+def test_greedy_at_concurrency_8_is_token_identical_while_gamma_switches(capped_pair):
+    """8 concurrent greedy generations of different lengths with adaptive γ: speculation is
+    off while >= 4 sessions run (the verifier's cap), back on as they finish; every output
+    equals its target-only twin, and rounds at γ 0 and γ > 0 both happen."""
+    from client.speculative import SpeculativeClient
+    from specdec.sampling import SamplingParams
+
+    verifier, drafter = capped_pair
+    jobs = [(p, SamplingParams(temperature=0, max_tokens=12 + 6 * i, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
+    with SpeculativeClient(verifier.address, drafter=drafter.address) as client:
+        base = [client.generate(p, params, chat=True, target_only=True) for p, params in jobs]
+        results: list = [None] * len(jobs)
+
+        def run(i: int) -> None:
+            try:
+                results[i] = client.generate(jobs[i][0], jobs[i][1], chat=True, num_speculative_tokens="auto")
+            except Exception as exc:  # reported by the assertions below
+                results[i] = exc
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    for i, (r, b) in enumerate(zip(results, base)):
+        assert not isinstance(r, Exception), r
+        assert r.token_ids == b.token_ids, f"job {i} differs from target-only"
+    gammas = [g for r in results for g in r.gamma_per_round[1:]]  # after the first round, which never drafts
+    assert 0 in gammas, "the cap never switched speculation off"
+    assert any(g > 0 for g in gammas), "speculation never came back once sessions finished"
+    assert all(r.gamma_per_round[0] == 0 for r in results)
+
+
+def test_seeded_sampling_is_reproducible_for_a_fixed_gamma(capped_pair):
+    from client.speculative import SpeculativeClient
+    from specdec.sampling import SamplingParams
+
+    verifier, drafter = capped_pair
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=32, ignore_eos=True)
+    with SpeculativeClient(verifier.address, drafter=drafter.address) as client:
+        runs = [client.generate(PROMPTS[0], params, chat=True, num_speculative_tokens=4) for _ in range(2)]
+        other = client.generate(PROMPTS[0], params.replace(seed=99), chat=True, num_speculative_tokens=4)
+    assert runs[0].token_ids == runs[1].token_ids
+    assert runs[0].gamma_per_round == runs[1].gamma_per_round and runs[0].num_draft_tokens > 0
+    assert other.token_ids != runs[0].token_ids  # the seed matters: the comparison has power
+
+
+def test_a_long_prompt_does_not_stall_the_other_sessions(capped_pair):
+    """Three short sessions stream target-only rounds; a prompt ~8x longer arrives. With a
+    64-token step budget its prefill runs in chunks between their steps: the largest gap
+    between their tokens while it prefills stays a small part of that prefill, where
+    without chunking one gap would span all of it."""
+    from client.speculative import SpeculativeClient
+    from specdec.sampling import SamplingParams
+
+    verifier, _ = capped_pair
+    short = "Count slowly from one to one hundred, one number per line."
+    long_prompt = " ".join(["The quick brown fox jumps over the lazy dog near the quiet river bank."] * 40)
+    with SpeculativeClient(verifier.address) as client:
+        n_short = len(client.encode_prompt(short, chat=True))
+        n_long = len(client.encode_prompt(long_prompt))
+        assert n_long >= 8 * n_short
+        arrivals: list[list[float]] = [[] for _ in range(3)]
+        stop = threading.Event()
+
+        def stream(i: int) -> None:
+            params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+            for _ in client.stream(short, params, chat=True, target_only=True):
+                arrivals[i].append(time.monotonic())
+                if stop.is_set():
+                    break
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        while min(len(a) for a in arrivals) < 5:
+            time.sleep(0.01)
+        sent = time.monotonic()
+        first = None
+        for chunk in client.stream(long_prompt, SamplingParams(temperature=0, max_tokens=2), target_only=True):
+            first = first or time.monotonic()
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    prefill = first - sent
+    gaps = [b - a for arr in arrivals for a, b in zip(arr, arr[1:]) if a >= sent and b <= first]
+    assert len(gaps) >= 3, "the short sessions emitted nothing while the long prompt prefilled"
+    steps = -(-n_long // 64)
+    assert steps >= 8  # enough chunks for the bound below to have power
+    assert max(gaps) < prefill / 3, f"a gap of {max(gaps):.3f} s during a {prefill:.3f} s prefill"
+
+
+def test_first_token_is_not_delayed_by_a_slow_drafter_prefill():
+    """A drafter whose prompt prefill is slow for real (float16 multi-token rows on a CPU,
+    the bfloat16 prefill copy off): the first token is the verifier's alone, so speculative
+    TTFT stays close to target-only TTFT, though the drafter takes far longer to prefill."""
+    from client.speculative import SpeculativeClient
+    from specdec.sampling import SamplingParams
+    from specdec_rpc import specdec_pb2 as pb
+
+    prompt = " ".join(["Speculative decoding drafts tokens with a small model and verifies them."] * 12)
+    with start_service("verifier", ["--log-level", "WARNING"], threads=SERVICE_THREADS) as verifier, \
+         start_service("drafter", ["--prefill-dtype", "none", "--log-level", "WARNING"],
+                       threads=SERVICE_THREADS) as drafter:
+        with SpeculativeClient(verifier.address, drafter=drafter.address) as client:
+            ids = client.encode_prompt(prompt)
+            params = SamplingParams(temperature=0, max_tokens=8)
+            client.generate(ids, params.replace(max_tokens=2))  # warm-up
+            # The drafter's own prefill of this prompt, timed alone (the power of the check below).
+            stub = client.drafter
+            sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
+            t = time.perf_counter()
+            stub.Draft(pb.DraftRequest(session_id=sid, append_token_ids=ids, num_draft_tokens=0))
+            drafter_prefill = time.perf_counter() - t
+            stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+            target, spec = [], []
+            for _ in range(3):
+                target.append(client.generate(ids, params, target_only=True).ttft_s)
+                spec.append(client.generate(ids, params, num_speculative_tokens=4).ttft_s)
+    t_target, t_spec = sorted(target)[1], sorted(spec)[1]
+    assert drafter_prefill > 2 * t_target, (drafter_prefill, t_target)  # on the critical path it would show
+    assert t_spec < 1.3 * t_target + 0.05, (t_spec, t_target)
+
+
+def test_a_draft_its_proposal_gives_zero_probability_is_refused(verifier_proc):
+    """Verify with a dense q that puts no mass on its own draft: INVALID_ARGUMENT naming the
+    proposal, and the session still verifies correctly afterwards."""
+    import numpy as np
+
+    from specdec_rpc import specdec_pb2 as pb
+    from specdec_rpc import specdec_pb2_grpc as pb_grpc
+    from specdec_rpc.adapters import CHANNEL_OPTIONS
+
+    with grpc.insecure_channel(verifier_proc.address, options=CHANNEL_OPTIONS) as channel:
+        stub = pb_grpc.VerifierStub(channel)
+        vocab = stub.GetModelInfo(pb.ModelInfoRequest()).vocab_size
+        sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
+        prompt = [1, 504, 3458, 314, 260]
+        sampling = pb.SamplingParams(temperature=1.0, seed=7)
+        q = np.zeros((2, vocab), dtype=np.float32)
+        q[0, 11] = 1.0  # draft 0 is 10: q gives it nothing
+        q[1, 20] = 1.0
+        bad = pb.Proposal(kind=pb.DENSE, dtype=pb.FLOAT32, shape=[2, vocab], probs=q.tobytes())
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Verify(pb.VerifyRequest(session_id=sid, append_token_ids=prompt, draft_token_ids=[10, 20],
+                                         proposal=bad, sampling=sampling))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "proposal" in err.value.details() and "probability 0" in err.value.details()
+        q[0, 10] = 1.0
+        q[0, 11] = 0.0
+        good = pb.Proposal(kind=pb.DENSE, dtype=pb.FLOAT32, shape=[2, vocab], probs=q.tobytes())
+        out = stub.Verify(pb.VerifyRequest(session_id=sid, append_token_ids=prompt, draft_token_ids=[10, 20],
+                                           proposal=good, sampling=sampling))
+        assert out.kv_length == len(prompt) + out.num_accepted  # the failed call left the cache as it was
+        assert 1 <= len(out.output_token_ids) <= 3
+        stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
