@@ -434,7 +434,7 @@ def expected_tokens_per_round(alpha: float, gamma: int) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-def efficiency(spec: dict, base: dict | None, gamma: int | str) -> dict[str, float | None]:
+def efficiency(spec: dict, base: dict | None) -> dict[str, float | None]:
     """ideal_speedup, measured_speedup and system_efficiency of a speculative run
     against a target-only run of the same workload (all None without one). The model
     takes the mean drafts per round: with any γ some rounds draft none (the first one, a
@@ -456,11 +456,10 @@ def efficiency(spec: dict, base: dict | None, gamma: int | str) -> dict[str, flo
 
 def add_efficiency(result: dict, baseline: dict | None) -> dict:
     """Fill the speedup fields of a speculative result (and of its categories) in place."""
-    gamma = result.get("num_speculative_tokens") or 0
-    result.update(efficiency(result, baseline, gamma))
+    result.update(efficiency(result, baseline))
     for cat, metrics in result.get("per_category", {}).items():
         base_cat = (baseline or {}).get("per_category", {}).get(cat)
-        metrics.update(efficiency(metrics, base_cat, gamma))
+        metrics.update(efficiency(metrics, base_cat))
     return result
 
 

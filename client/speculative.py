@@ -310,9 +310,9 @@ class SpeculativeClient:
         specdec/adaptive.py); fanout: this generation's speculation-cache fanout.
 
         The first round never drafts: the verifier prefills the prompt and answers the first
-        token as fast as target-only decoding, and the drafter prefills right after, while
-        the next rounds run (target-only with "auto"; a fixed γ waits for it, so that seeded
-        output stays reproducible)."""
+        token as fast as target-only decoding. The drafter prefills when drafts are first
+        wanted, in the background while target-only rounds go on ("auto"; a fixed γ waits for
+        it, so that seeded output stays reproducible)."""
         gamma_max = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         adaptive = gamma_max == AUTO
         if adaptive:
@@ -374,10 +374,8 @@ class SpeculativeClient:
             while not finished:
                 remaining = params.max_tokens - len(result.token_ids)
                 costs = self.costs(verifier.server.address)
-                if draft_link.prefill is not None:  # a fixed γ waits for it: the rounds stay reproducible
-                    self._collect_prefill(draft_link, result, block=controller is None)
-                if not gamma_max or result.num_rounds == 0 or draft_link.prefill is not None or costs.disabled:
-                    cap = 0  # the first token is the verifier's alone; no drafts while the drafter catches up
+                if not gamma_max or result.num_rounds == 0 or costs.disabled:
+                    cap = 0  # the first token is the verifier's alone (target-only TTFT)
                 elif controller is not None:
                     controller.costs = costs
                     cap = controller.next_gamma(draft_link.max_draft_tokens)
@@ -385,6 +383,14 @@ class SpeculativeClient:
                     cap = draft_link.max_draft_tokens
                 # Never draft more than can be kept: the round emits up to gamma + 1 tokens.
                 gamma = max(0, min(cap, remaining - 1, drafter_context - len(committed)))
+                if gamma and draft_link.prefill is None and self._drafter_behind(draft_link, committed):
+                    # A prompt (or a long run of target-only rounds) to catch up on: the drafter
+                    # prefills in the background, only once drafts are wanted at all.
+                    self._start_prefill(draft_link, committed, sampling, fmt_pb, prompt_length, result)
+                if draft_link.prefill is not None:  # a fixed γ waits for it: the rounds stay reproducible
+                    self._collect_prefill(draft_link, result, block=controller is None)
+                    if draft_link.prefill is not None:
+                        gamma = 0  # target-only rounds while it runs
                 drafts: list[int] = []
                 proposal = None
                 # A side whose cache is empty (first round, new session) prefills in this round,
@@ -453,10 +459,6 @@ class SpeculativeClient:
                         result.finish_reason, finished = "length", True
                     if finished:
                         break
-                if gamma_max and not finished and draft_link.prefill is None:
-                    behind = len(committed) - _lcp(draft_link.kv, committed, len(committed))
-                    if not draft_link.kv or behind > ASYNC_CATCHUP_TOKENS:
-                        self._start_prefill(draft_link, committed, sampling, fmt_pb, prompt_length, result)
                 text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
                 stops = params.stop if len(result.token_ids) >= params.min_tokens else ()
                 cut = _find_stop(text, stops, len(emitted_text))
@@ -530,6 +532,11 @@ class SpeculativeClient:
         link.kv = committed + drafts[:-1]
         _check_kv("drafter", resp.kv_length, len(link.kv))
         return drafts, resp.proposal
+
+    @staticmethod
+    def _drafter_behind(link: "_DrafterLink", committed: list[int]) -> bool:
+        """The drafter holds nothing of this sequence, or lags more than ASYNC_CATCHUP_TOKENS."""
+        return not link.kv or len(committed) - _lcp(link.kv, committed, len(committed)) > ASYNC_CATCHUP_TOKENS
 
     def _start_prefill(self, link: "_DrafterLink", committed: list[int], sampling: pb.SamplingParams,
                        fmt_pb: pb.ProposalFormat, prompt_length: int, result: GenerationResult) -> None:

@@ -30,8 +30,9 @@ def verifier_proc():
 
 @pytest.fixture(scope="session")
 def drafter_proc():
-    """The default drafter: the embedded weights in float16 (acceptance ~1)."""
-    with start_service("drafter", ["--max-draft-tokens", "8", "--log-level", "WARNING"],
+    """The embedded weights in float16 throughout, prompts included (acceptance ~1: its drafts are
+    the target's argmax); the services' default adds a bfloat16 prefill copy (test_goodput.py)."""
+    with start_service("drafter", ["--max-draft-tokens", "8", "--prefill-dtype", "none", "--log-level", "WARNING"],
                        threads=SERVICE_THREADS) as svc:
         yield svc
 

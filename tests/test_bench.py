@@ -65,7 +65,7 @@ def test_target_only_never_calls_the_drafter_but_speculative_does(drafter_proc, 
     before = server_stats(drafter_proc.address, "drafter")
     assert _bench("serve", *common, "--target-only", "--result-json", str(tmp_path / "base.json")) == 0
     after_target_only = server_stats(drafter_proc.address, "drafter")
-    assert _bench("serve", *common, "--baseline-json", str(tmp_path / "base.json"),
+    assert _bench("serve", *common, "--baseline-json", str(tmp_path / "base.json"), "--num-speculative-tokens", "4",
                   "--result-json", str(tmp_path / "spec.json")) == 0
     after_speculative = server_stats(drafter_proc.address, "drafter")
 
@@ -135,13 +135,13 @@ def test_ideal_speedup_model():
     assert expected_tokens_per_round(1.0, 4) == 5.0
     assert expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
     spec = {"acceptance_rate": 1.0, "mean_draft_time_per_token_ms": 1.0, "mean_verify_time_per_round_ms": 12.0,
-            "output_tokens_per_request_s": 30.0}
+            "output_tokens_per_request_s": 30.0, "mean_drafts_per_round": 4.0}
     base = {"mean_verify_time_per_round_ms": 10.0, "output_tokens_per_request_s": 10.0}
-    out = efficiency(spec, base, gamma=4)
+    out = efficiency(spec, base)
     assert out["ideal_speedup"] == pytest.approx(5 * 10.0 / (4 * 1.0 + 12.0))
     assert out["measured_speedup"] == pytest.approx(3.0)
     assert out["system_efficiency"] == pytest.approx(3.0 / (50 / 16))
-    assert efficiency(spec, None, gamma=4)["system_efficiency"] is None
+    assert efficiency(spec, None)["system_efficiency"] is None
 
 
 @pytest.mark.slow
@@ -162,7 +162,7 @@ def test_duration_limit_stops_the_run_by_itself(drafter_proc, verifier_proc, tmp
 def test_sweep_writes_a_png_and_both_modes_per_point(drafter_proc, verifier_proc, tmp_path):
     png, out = tmp_path / "sweep.png", tmp_path / "sweep.json"
     rc = _bench("sweep", *_servers(drafter_proc, verifier_proc), "--num-prompts", "2", "--max-tokens", "6",
-                "--concurrency", "1,2", "--plot", str(png), "--result-json", str(out))
+                "--num-speculative-tokens", "4", "--concurrency", "1,2", "--plot", str(png), "--result-json", str(out))
     assert rc == 0
     assert png.read_bytes()[:8] == PNG_MAGIC
     res = json.loads(out.read_text())
@@ -171,3 +171,7 @@ def test_sweep_writes_a_png_and_both_modes_per_point(drafter_proc, verifier_proc
         assert point["speculative"]["mode"] == "speculative" and point["speculative"]["completed"] == 2
         assert point["target_only"]["mode"] == "target-only" and point["target_only"]["completed"] == 2
         assert point["system_efficiency"] is not None and point["system_efficiency"] > 0
+        spec = point["speculative"]
+        # the first round of each request never drafts; with a fixed γ the others do
+        assert 0 < spec["speculative_round_share"] < 1
+        assert spec["mean_drafts_per_round"] == pytest.approx(spec["total_draft_tokens"] / spec["total_rounds"])

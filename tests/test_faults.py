@@ -41,8 +41,10 @@ def test_drafter_killed_during_8_generations_they_finish_target_only_and_specula
             expected = [client.generate(p, GREEDY, target_only=True).token_ids for p in PROMPTS]
             progress: collections.Counter = collections.Counter()
             results, threads = stream_concurrently(client, [(p, GREEDY) for p in PROMPTS], progress)
-            # Kill once every generation has committed a round, i.e. all are mid-generation.
-            wait_for(lambda: len(progress) == len(PROMPTS), 120, "a first round of every generation")
+            # Kill once every generation has committed two rounds (the first never drafts), i.e.
+            # all are mid-generation and have speculated.
+            wait_for(lambda: len(progress) == len(PROMPTS) and min(progress.values()) >= 2, 120,
+                     "two rounds of every generation")
             drafter.kill()  # SIGKILL
             for t in threads:
                 t.join(180)

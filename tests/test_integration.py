@@ -191,7 +191,7 @@ def _cli(*args, timeout=300):
 def test_cli_generate_json_speculative_and_target_only(drafter_proc, verifier_proc):
     common = ["generate", "--verifier", verifier_proc.address, "--prompt", "Name a colour.", "--chat",
               "--max-tokens", "12", "--json"]
-    spec = _cli(*common, "--drafter", drafter_proc.address)
+    spec = _cli(*common, "--drafter", drafter_proc.address, "--num-speculative-tokens", "4")
     base = _cli(*common, "--target-only")
     assert spec.returncode == 0 and base.returncode == 0, spec.stderr + base.stderr
     s, b = json.loads(spec.stdout), json.loads(base.stdout)

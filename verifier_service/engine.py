@@ -102,13 +102,15 @@ class VerifierEngine(ServingModel):
             q = decode_proposal(proposal, k, self.lm.vocab_size)
             if proposal.kind == IDS_ONLY and proposal.shape != (k,):
                 raise InvalidArgument("proposal.shape", f"ids-only proposals are [{k}], got {list(proposal.shape)}")
-            # A draft its own proposal gives no mass cannot have been sampled from it; accepting it
-            # (u·q < p holds for any p > 0 when q = 0) would bias the output towards such drafts.
-            q_at_draft = q[torch.arange(k), torch.tensor(draft_token_ids, dtype=torch.long)]  # [K]
-            if not bool((q_at_draft > 0).all()):
-                i = int((q_at_draft > 0).logical_not().nonzero()[0, 0])
-                raise InvalidArgument("proposal", f"gives draft token {draft_token_ids[i]} at position {i} probability "
-                                                  "0: drafts must be sampled from the proposal sent with them")
+            if q is not None:  # (ids-only: q is one-hot on the draft)
+                # A draft its own proposal gives no mass cannot have been sampled from it; accepting
+                # it (u·q < p holds for any p > 0 when q = 0) would bias the output towards such drafts.
+                q_at_draft = q[torch.arange(k), torch.tensor(draft_token_ids, dtype=torch.long)]  # [K]
+                if not bool((q_at_draft > 0).all()):
+                    i = int((q_at_draft > 0).logical_not().nonzero()[0, 0])
+                    raise InvalidArgument("proposal", f"gives draft token {draft_token_ids[i]} at position {i} "
+                                                      "probability 0: drafts must be sampled from the proposal sent "
+                                                      "with them")
         with self.sessions.use(session_id, truncate_to, owner) as session:
             return self.submit(_Request(session, append_token_ids, draft_token_ids, q,
                                         None if q is None else q.sum(dim=-1), params, prompt_length))
