@@ -16,8 +16,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu-check"
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
@@ -28,11 +26,12 @@ def cpu_run(tmp_path_factory):
     return proc, out, report
 
 
+@pytest.mark.slow
 def test_the_cpu_quick_run_passes_every_step_it_can_run_here(cpu_run):
     proc, out, report = cpu_run
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     status = {s["name"]: s["status"] for s in report["steps"]}
-    assert status == {"env": "passed", "wheels": "skipped", "tests": "passed", "flashinfer": "skipped",
+    assert status == {"wheels": "skipped", "env": "passed", "tests": "passed", "flashinfer": "skipped",
                       "engine": "passed", "sampler": "passed", "models": "passed", "sweep-copy": "passed",
                       "sweep-drafter": "passed"}, report["steps"]
     assert report["ok"] and report["failed_steps"] == []
@@ -41,6 +40,7 @@ def test_the_cpu_quick_run_passes_every_step_it_can_run_here(cpu_run):
     assert sorted(p.name for p in out.iterdir()) == ["junit.xml", "log.txt", "report.json", "report.md"]
 
 
+@pytest.mark.slow
 def test_the_gpu_tests_ran_as_their_cpu_twin(cpu_run):
     _, _, report = cpu_run
     tests = report["tests"]
@@ -55,6 +55,7 @@ def test_the_gpu_tests_ran_as_their_cpu_twin(cpu_run):
             "test_nothing_is_left_on_the_gpu_after_the_services_stop"} <= names
 
 
+@pytest.mark.slow
 def test_the_report_holds_engine_sampler_sweep_and_expected_speedup_tables(cpu_run):
     _, out, report = cpu_run
     engine = report["engine"]["rows"]
@@ -81,6 +82,7 @@ def test_the_report_holds_engine_sampler_sweep_and_expected_speedup_tables(cpu_r
         assert heading in md, heading
 
 
+@pytest.mark.slow
 def test_a_failed_step_fails_the_run_and_the_summary_says_which(tmp_path):
     """A wheel folder that was never prepared: the wheels step fails, the run exits 1, and the
     summary names the step and the remedy (the other steps left out to keep this quick)."""
@@ -93,3 +95,54 @@ def test_a_failed_step_fails_the_run_and_the_summary_says_which(tmp_path):
     assert report["failed_steps"] == ["wheels"] and not report["ok"]
     md = (tmp_path / "report.md").read_text()
     assert "**FAILED**" in md and "| wheels | FAILED |" in md and "--prepare" in md
+
+
+def _load_script():
+    import importlib.machinery
+    import importlib.util
+
+    loader = importlib.machinery.SourceFileLoader("gpu_check_script", str(SCRIPT))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[loader.name] = module  # dataclasses look their module up there
+    loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["goals-met", "goals-missed"])
+def test_gpu_figures_give_expected_speedup_and_goal_verdicts(slow):
+    """The GPU-only parts of the report, on made-up H100 figures: the expected speedup is
+    E(gamma) t_target / (gamma t_draft + t_verify) per batch size, and each goal reads met or
+    not met against the issue's thresholds; the summary renders them."""
+    gc = _load_script()
+    k = 2.0 if slow else 1.0
+    plan = gc.make_plan("cuda", quick=False)
+    rows = [{"role": role, "preset": preset, "batch": b, "width": w, "context": 512, "eager_ms": 19.0,
+             "slot_ms": 9.0, "fast_ms": ms * k, "speedup": 19.0 / (ms * k), "limit_ms": 1.0, "fast_over_limit": ms * k,
+             "fast_gbps": 3000.0 / (ms * k), "greedy_agreement": 1.0}
+            for role, preset, w, b, ms in (("verify", "target-1.5b", 5, 1, 2.0), ("verify", "target-1.5b", 5, 64, 5.0),
+                                           ("target-decode", "target-1.5b", 1, 1, 1.8),
+                                           ("target-decode", "target-1.5b", 1, 64, 3.0),
+                                           ("drafter-decode", "drafter-270m", 1, 1, 0.5),
+                                           ("drafter-decode", "drafter-270m", 1, 64, 0.9))]
+    point = {"concurrency": 1, "num_prompts": 8, "measured_speedup": 1.5 / k, "ideal_speedup": 1.6,
+             "system_efficiency": 0.94 / k,
+             **{m: {key: 1.0 for key in gc.SWEEP_KEYS} for m in ("speculative", "target_only")}}
+    report = {"mode": {"device": "cuda", "quick": False}, "date": "now", "plan": {"target": plan.target,
+                                                                                 "drafter": plan.drafter},
+              "engine": {"device": "NVIDIA H100", "dtype": "torch.bfloat16", "peak_gbps": 3350.0, "rows": rows},
+              "sampler": {"rows": [{"vocab": 32000, "gamma": 4, "batch_size": 1, "rejection_dense_q_us": 90.0,
+                                    "triton_dense_q_us": 20.0 * k, "triton_with_draws_us": 25.0 * k,
+                                    "flashinfer_chain_us": 30.0, "flashinfer_over_triton": 30 / (25 * k),
+                                    "plain_torch_us": 900.0}]},
+              "sweeps": {"sweep-copy": {"drafter": "copy", "points": [point]},
+                         "sweep-drafter": {"drafter": "drafter-270m", "points": [point]}}}
+    report["expected_speedup"] = gc.expected_speedup(report, 0.991)
+    b1 = report["expected_speedup"]["rows"][0]
+    e = (1 - 0.991 ** 5) / (1 - 0.991)
+    assert b1["batch"] == 1 and b1["expected_speedup"] == pytest.approx(e * 1.8 / (4 * 0.5 + 2.0))
+    report["goals"] = gc.goals(report, plan)
+    verdicts = {g["goal"]: g["status"] for g in report["goals"]}
+    assert len(verdicts) == 7 and set(verdicts.values()) == {"not met" if slow else "met"}
+    md = gc.render_markdown({**report, "steps": [], "ok": True, "seconds": 1.0, "environment": {}})
+    assert "## Expected speedup" in md and ("| not met |" if slow else "| met |") in md
