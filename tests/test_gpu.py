@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -314,37 +315,56 @@ def _start(specs: list[tuple[str, str]]) -> list[ServiceProcess]:
     return started
 
 
-def test_services_on_the_device_speculate_greedily_as_target_only(model_dirs):
-    """A verifier and two drafters (a copy of the target, and another model) as processes on
-    the device, fanout 2 (the speculation cache on): greedy speculative tokens equal the
-    verifier's target-only tokens for each prompt; the copy's drafts are accepted, the other
-    one's rejected (both paths ran)."""
+@dataclass
+class Services:
+    verifier: ServiceProcess
+    copy_drafter: ServiceProcess  # the target's own weights: accepts ~every draft
+    other_drafter: ServiceProcess  # another model: its drafts are rejected
+    free_before: int  # the device's free bytes before they started
+
+    @property
+    def all(self) -> list[ServiceProcess]:
+        return [self.verifier, self.copy_drafter, self.other_drafter]
+
+
+@pytest.fixture(scope="module")
+def services(model_dirs):
+    """A verifier and two drafters as processes on the device, started once for the two
+    tests below (each start imports torch and loads a model: tens of seconds on a CPU); the
+    second of them stops them."""
+    free_before = _free_bytes()
+    started = _start([("verifier", model_dirs["target"]), ("drafter", model_dirs["target"]),
+                      ("drafter", model_dirs["other"])])
+    yield Services(*started, free_before=free_before)
+    for svc in started:
+        svc.stop()
+
+
+def test_services_on_the_device_speculate_greedily_as_target_only(services):
+    """The verifier with each drafter, fanout 2 (the speculation cache on): greedy speculative
+    tokens equal the verifier's target-only tokens for each prompt; the copy's drafts are
+    accepted, the other one's rejected (both paths ran)."""
     from client.speculative import SpeculativeClient
 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    verifier, copy_drafter, other_drafter = _start(
-        [("verifier", model_dirs["target"]), ("drafter", model_dirs["target"]), ("drafter", model_dirs["other"])])
-    try:
-        with SpeculativeClient(verifier.address) as ref, \
-                SpeculativeClient(verifier.address, drafter=copy_drafter.address, fanout=2) as copy_client, \
-                SpeculativeClient(verifier.address, drafter=other_drafter.address, fanout=2) as other_client:
-            accepted, rejected, cached = 0, 0, 0
-            for prompt in PROMPTS:
-                want = ref.generate(prompt, params, target_only=True).token_ids
-                for client in (copy_client, other_client):
-                    got = client.generate(prompt, params, num_speculative_tokens=4)
-                    assert got.token_ids == want, (prompt, client is copy_client)
-                    assert got.num_draft_tokens > 0
-                    if client is copy_client:
-                        accepted += got.num_accepted_tokens
-                        cached += got.cached_draft_tokens
-                    else:
-                        rejected += got.num_draft_tokens - got.num_accepted_tokens
-            assert accepted > 0 and rejected > 0
-            print(f"copy drafter: {accepted} drafts accepted, {cached} from the speculation cache")
-    finally:
-        for svc in (verifier, copy_drafter, other_drafter):
-            svc.stop()
+    address = services.verifier.address
+    with SpeculativeClient(address) as ref, \
+            SpeculativeClient(address, drafter=services.copy_drafter.address, fanout=2) as copy_client, \
+            SpeculativeClient(address, drafter=services.other_drafter.address, fanout=2) as other_client:
+        accepted, rejected, cached = 0, 0, 0
+        for prompt in PROMPTS:
+            want = ref.generate(prompt, params, target_only=True).token_ids
+            for client in (copy_client, other_client):
+                got = client.generate(prompt, params, num_speculative_tokens=4)
+                assert got.token_ids == want, (prompt, client is copy_client)
+                assert got.num_draft_tokens > 0
+                if client is copy_client:
+                    accepted += got.num_accepted_tokens
+                    cached += got.cached_draft_tokens
+                else:
+                    rejected += got.num_draft_tokens - got.num_accepted_tokens
+        assert accepted > 0 and rejected > 0
+        print(f"copy drafter: {accepted} drafts accepted, {cached} from the speculation cache")
 
 
 def _gpu_pids() -> set[int] | None:
@@ -367,30 +387,29 @@ def _free_bytes() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
-def test_nothing_is_left_on_the_gpu_after_the_services_stop(model_dirs):
-    """Verifier and drafter on the device serve a speculative generation, then get SIGTERM:
-    both exit 0, their processes are gone (and absent from nvidia-smi's compute apps), and
-    the device's free memory is back to what it was before they started (within 256 MiB)."""
+def test_nothing_is_left_on_the_gpu_after_the_services_stop(services):
+    """(Runs last: it stops the module's services.) After a speculative generation the three
+    services get SIGTERM: each exits 0, their processes are gone (and absent from
+    nvidia-smi's compute apps), and the device's free memory is back to what it was before
+    they started (within 256 MiB)."""
     from client.speculative import SpeculativeClient
 
-    free_before = _free_bytes()
-    services = _start([("verifier", model_dirs["target"]), ("drafter", model_dirs["target"])])
-    pids = {s.proc.pid for s in services}
+    pids = {s.proc.pid for s in services.all}
     try:
         if CUDA:
-            assert _free_bytes() < free_before - 64 * 2**20  # they did hold memory
-        with SpeculativeClient(services[0].address, drafter=services[1].address, fanout=1) as client:
+            assert _free_bytes() < services.free_before - 64 * 2**20  # they did hold memory
+        with SpeculativeClient(services.verifier.address, drafter=services.copy_drafter.address, fanout=1) as client:
             out = client.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
             assert len(out.token_ids) == 12
     finally:
-        codes = [s.stop(grace_s=30) for s in services]
-    assert codes == [0, 0]
+        codes = [s.stop(grace_s=30) for s in services.all]
+    assert codes == [0, 0, 0]
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     deadline = time.monotonic() + 30
-    while CUDA and _free_bytes() < free_before - 256 * 2**20 and time.monotonic() < deadline:
+    while CUDA and _free_bytes() < services.free_before - 256 * 2**20 and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _free_bytes() >= free_before - 256 * 2**20
+    assert _free_bytes() >= services.free_before - 256 * 2**20
     listed = _gpu_pids()
     assert listed is None or not (pids & listed)
