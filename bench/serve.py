@@ -447,10 +447,12 @@ def efficiency(spec: dict, base: dict | None) -> dict[str, float | None]:
     c_draft = spec.get("mean_draft_time_per_token_ms")
     c_verify = spec.get("mean_verify_time_per_round_ms")
     c_target = base.get("mean_verify_time_per_round_ms")
-    if None in (alpha, c_draft, c_verify, c_target) or not gamma or not base.get("output_tokens_per_request_s"):
+    if not base.get("output_tokens_per_request_s"):
         return none
-    ideal = expected_tokens_per_round(alpha, gamma) * c_target / (gamma * c_draft + c_verify)
     measured = (spec.get("output_tokens_per_request_s") or 0.0) / base["output_tokens_per_request_s"]
+    if None in (alpha, c_draft, c_verify, c_target) or not gamma:  # no drafts: nothing to model
+        return {**none, "measured_speedup": measured}
+    ideal = expected_tokens_per_round(alpha, gamma) * c_target / (gamma * c_draft + c_verify)
     return {"ideal_speedup": ideal, "measured_speedup": measured, "system_efficiency": measured / ideal}
 
 

@@ -332,7 +332,9 @@ def test_bench_compare_runs_every_variant_against_its_target_only(verifier_proc,
     outputs = {v["variant"]: [r["output_tokens"] for r in v["per_request"]] for v in result["variants"]}
     assert len({tuple(o) for o in outputs.values()}) == 1  # greedy: every variant emits the same lengths
     for v in result["variants"][1:]:
-        assert v["completed"] == 2 and v["measured_speedup"] > 0 and v["system_efficiency"] > 0
+        assert v["completed"] == 2 and v["measured_speedup"] > 0
+        # (auto may keep γ at 0 through 12 tokens when speculation does not pay here: no efficiency then)
+        assert v["system_efficiency"] > 0 if v["variant"] != "gamma=auto" or v["total_draft_tokens"] else True
     cached = result["variants"][2]
     assert cached["fanout"] == 2 and cached["speculation_cache_hit_rate"] is not None
     assert result["variants"][1]["speculation_cache_hit_rate"] == 0
