@@ -1,5 +1,5 @@
-"""Client-side command bodies behind `specdec generate` and `specdec health` (the CLI
-parses, this runs)."""
+"""Client-side command bodies behind `specdec generate`, `specdec gateway` and `specdec
+health` (the CLI parses, this runs)."""
 
 from __future__ import annotations
 
@@ -57,3 +57,25 @@ def health_command(args: argparse.Namespace) -> int:
         return 1
     print(status)
     return 0 if status == "SERVING" else 1
+
+
+def gateway_command(args: argparse.Namespace) -> int:
+    import logging
+
+    from gateway import GatewayConfig, UpstreamConfig
+    from gateway.server import serve
+    from specdec_rpc.ops import read_token
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="ts=%(asctime)s role=gateway level=%(levelname)s logger=%(name)s %(message)s")
+    upstream = UpstreamConfig(
+        verifier=args.verifier, drafter=args.drafter, num_speculative_tokens=args.num_speculative_tokens,
+        fanout=args.fanout, timeout_s=args.timeout_s, recovery_timeout_s=args.recovery_timeout_s,
+        tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        auth_token=read_token(args.auth_token_file) if args.auth_token_file else None,
+        max_concurrent_requests=args.max_concurrent_requests)
+    config = GatewayConfig(upstream=upstream, api_key=args.api_key or None,
+                           served_model_names=tuple(args.served_model_name or ()))
+    serve(config, args.host, args.port, grace_s=args.grace_s, ssl_certfile=args.ssl_certfile,
+          ssl_keyfile=args.ssl_keyfile, log_level=args.log_level)
+    return 0
