@@ -223,8 +223,8 @@ class Upstream:
         client = self.require()
         gen = Generation(asyncio.get_running_loop())
         self._generations.add(gen)
-        future = self._executor.submit(gen.run, client, prompt_ids, params, self.config.num_speculative_tokens,
-                                       self.config.fanout)
+        gamma = self.config.num_speculative_tokens if client.drafters is not None else 0  # no drafter: target-only
+        future = self._executor.submit(gen.run, client, prompt_ids, params, gamma, self.config.fanout)
         future.add_done_callback(lambda _: self._generations.discard(gen))
         return gen
 
