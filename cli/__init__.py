@@ -235,8 +235,8 @@ def _add_gateway_parser(sub) -> None:
                                         "over a drafter and a verifier")
     gw.add_argument("--drafter", action=AddressList,
                     help="HOST:PORT; repeat it or separate by commas for a pool (none: target-only decoding)")
-    gw.add_argument("--verifier", action=AddressList, required=True,
-                    help="HOST:PORT; repeat it or separate by commas for a pool")
+    gw.add_argument("--verifier", action=AddressList,
+                    help="HOST:PORT; repeat it or separate by commas for a pool (required, here or in the environment)")
     gw.add_argument("--host", default="127.0.0.1", help="HTTP address to bind (0.0.0.0 in a container)")
     gw.add_argument("--port", type=positive("--port", zero=True), default=DEFAULT_PORTS["gateway"],
                     help="0 picks a free port")
@@ -290,8 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_security_args(g)
     _sampling_args(g)
 
-    h = sub.add_parser("health", help="gRPC health check of a service: exit 0 when SERVING (container healthchecks)")
-    h.add_argument("--address", required=True, help="HOST:PORT")
+    h = sub.add_parser("health", help="gRPC health check of a service: exit 0 when SERVING (container healthchecks); "
+                                      "--url: HTTP check of the gateway, exit 0 on 200")
+    target = h.add_mutually_exclusive_group(required=True)
+    target.add_argument("--address", help="HOST:PORT of a drafter or verifier")
+    target.add_argument("--url", help="HTTP URL of the gateway's health, e.g. http://127.0.0.1:8000/health")
     h.add_argument("--service", default="", help="service name, e.g. specdec.v1.Verifier ('' = the whole server)")
     h.add_argument("--timeout-s", type=float, default=5.0)
     _add_client_security_args(h, auth=False)
@@ -305,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--verifier-args", default="", help="extra arguments for `specdec verifier`")
     d.add_argument("--temperature", type=float, default=0.0)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--keep-running", action="store_true",
+                   help="keep the services and the gateway up after the demo (for the printed curl line) until Ctrl-C")
 
     r = sub.add_parser("random-model", help="write a random-weight Llama of a bench-engine preset as a model "
                                             "directory (GPU end-to-end runs without weights)")
@@ -331,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
             from cli.commands import gateway_command
 
             _check_env_values(args)
+            if not args.verifier:
+                raise ValueError("--verifier (or $SPECDEC_GATEWAY_VERIFIER) is required")
             return gateway_command(args)
         if args.command == "generate":
             return _generate(args, parser)

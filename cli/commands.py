@@ -49,6 +49,9 @@ def health_command(args: argparse.Namespace) -> int:
     """Print the status; exit 0 only when SERVING (what a container healthcheck needs)."""
     from specdec_rpc.ops import TLSFiles, check_health
 
+    if args.url:
+        return _http_health(args.url, args.timeout_s)
+
     try:
         status = check_health(args.address, args.service, timeout_s=args.timeout_s,
                               tls=TLSFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca))
@@ -57,6 +60,22 @@ def health_command(args: argparse.Namespace) -> int:
         return 1
     print(status)
     return 0 if status == "SERVING" else 1
+
+
+def _http_health(url: str, timeout_s: float) -> int:
+    """The gateway's /health: print its body; exit 0 only on 200 (its verifiers answer)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+            print(reply.read().decode())
+            return 0
+    except urllib.error.HTTPError as exc:
+        print(f"specdec health: {url}: HTTP {exc.code}: {exc.read().decode()[:500]}", file=sys.stderr)
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"specdec health: {url}: {exc}", file=sys.stderr)
+    return 1
 
 
 def gateway_command(args: argparse.Namespace) -> int:
