@@ -308,7 +308,7 @@ def dispatch(client: SpeculativeClient, requests: Sequence[BenchRequest], config
              gamma: int, send=send_request) -> tuple[list[RequestRecord], float]:
     """Send every request at its arrival time; returns the records (in request order)
     and the run's duration in seconds. `send(client, req, config, gamma, run_start, deadline)`
-    measures one request (another backend passes its own, e.g. bench/openai.py)."""
+    measures one request (another backend passes its own: bench/openai_backend.py)."""
     offsets = arrival_offsets(len(requests), config.request_rate, config.seed, config.burstiness)
     workers = max(1, min(len(requests), config.max_concurrency or len(requests)))
     progress = _progress(len(requests), config)

@@ -93,8 +93,10 @@ def gateway_command(args: argparse.Namespace) -> int:
         tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=read_token(args.auth_token_file) if args.auth_token_file else None,
         max_concurrent_requests=args.max_concurrent_requests)
-    config = GatewayConfig(upstream=upstream, api_key=args.api_key or None,
-                           served_model_names=tuple(args.served_model_name or ()))
+    names = args.served_model_name or ()
+    if isinstance(names, str):  # from $SPECDEC_GATEWAY_SERVED_MODEL_NAME: "a b" or "a,b"
+        names = names.replace(",", " ").split()
+    config = GatewayConfig(upstream=upstream, api_key=args.api_key or None, served_model_names=tuple(names))
     serve(config, args.host, args.port, grace_s=args.grace_s, ssl_certfile=args.ssl_certfile,
           ssl_keyfile=args.ssl_keyfile, log_level=args.log_level)
     return 0

@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from client.speculative import GenerationResult, StreamChunk
@@ -157,8 +158,11 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
             if first is None:
                 raise APIError(500, "the generation ended without a result", type="server_error")
             if body.stream:
+                # The background task runs once the stream ends, also when Starlette cancels it
+                # because the client left: the generation stops even before _sse is finalized.
                 return StreamingResponse(_sse(gen, first, builder, timer), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                         background=BackgroundTask(gen.cancel))
             result = await _race(request, _rest(gen, first, timer))
         except _ClientGone:
             gen.cancel()
