@@ -297,6 +297,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from bench import verifier
     from bench import engine as bench_engine, sampler as bench_sampler
 
-    commands = {"serve": _serve, "compare-results": _compare_results, "compare": _compare, "sweep": _sweep, "peer": _peer, "verifier": verifier.run,
+    commands = {"serve": _serve, "compare-results": _compare_results,
+                "compare": _compare, "sweep": _sweep, "peer": _peer, "verifier": verifier.run,
                 "sampler": bench_sampler.run, "engine": bench_engine.run}
     return commands[args.bench_command](args)

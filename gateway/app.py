@@ -150,6 +150,7 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
         params = sampling_params(body, len(prompt_ids), client.verifier_info.max_context)
         builder = ResponseBuilder(chat=chat, model=model, prompt_tokens=len(prompt_ids),
                                   decode=upstream.decode_token, logprobs=params.logprobs is not None,
+                                  hold=max((len(stop) - 1 for stop in params.stop), default=0),
                                   include_usage=bool(body.stream_options and body.stream_options.include_usage))
         timer = metrics.timer(endpoint)
         gen = upstream.start(prompt_ids, params)
@@ -271,7 +272,8 @@ def _finish(timer: RequestTimer, builder: ResponseBuilder, result: GenerationRes
     timer.finish(builder.prompt_tokens, result, reason)
     if result is None:
         log.info("request id=%s endpoint=%s prompt_tokens=%d completion_tokens=%d finish=%s ms=%.0f", builder.id,
-                 timer.endpoint, builder.prompt_tokens, timer.tokens, reason, 1000 * (time.perf_counter() - timer.start))
+                 timer.endpoint, builder.prompt_tokens, timer.tokens, reason,
+                 1000 * (time.perf_counter() - timer.start))
     else:
         log.info("request id=%s endpoint=%s prompt_tokens=%d completion_tokens=%d finish=%s ms=%.0f rounds=%d "
                  "drafts=%d accepted=%d", builder.id, timer.endpoint, builder.prompt_tokens, len(result.token_ids),

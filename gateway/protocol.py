@@ -165,7 +165,8 @@ class ChatCompletionRequest(_Sampling):
 # ---- requests -> SamplingParams ---------------------------------------------------------------
 
 
-def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_tokens: int, max_context: int) -> SamplingParams:
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_tokens: int,
+                    max_context: int) -> SamplingParams:
     """The request's SamplingParams; 400 naming the field for a bad value, or when the prompt
     plus max_tokens does not fit the verifier's context (as vLLM words it)."""
     chat = isinstance(req, ChatCompletionRequest)
@@ -244,7 +245,10 @@ class ResponseBuilder:
     logprobs: bool = False
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    hold: int = 0  # characters held back while streaming: the longest stop string's length - 1
     _offset: int = 0  # text_offset of the next completion logprob
+    _streamed: str = ""  # the client's text so far
+    _emitted: int = 0  # characters of it sent
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -264,12 +268,23 @@ class ResponseBuilder:
         return [self._chunk({"role": "assistant", "content": ""}, None)] if self.chat else []
 
     def chunks(self, chunk: StreamChunk) -> list[dict]:
-        """The SSE bodies for one round's chunk (none for a round whose text is held back)."""
+        """The SSE bodies for one round's chunk (none for a round whose text is held back).
+
+        With stop strings the last `hold` characters wait for the next round: a stop string
+        that the next round completes may begin in them, and the final text is cut before it
+        (as vLLM holds back text that could start a stop string). The last chunk sends the
+        final text's rest, so the chunks always concatenate to the non-streamed text."""
         out = []
-        lp = self._logprobs(chunk.logprobs) if self.logprobs and chunk.logprobs else None
-        if chunk.text or lp:
-            out.append(self._chunk({"content": chunk.text} if self.chat else chunk.text, None, lp))
+        self._streamed += chunk.text
         result = chunk.result
+        if result is None:
+            text = self._streamed[self._emitted:max(self._emitted, len(self._streamed) - self.hold)]
+        else:
+            text = result.text[self._emitted:]
+        self._emitted += len(text)
+        lp = self._logprobs(chunk.logprobs) if self.logprobs and chunk.logprobs else None
+        if text or lp:
+            out.append(self._chunk({"content": text} if self.chat else text, None, lp))
         if result is not None:
             last = self._chunk({} if self.chat else "", result.finish_reason)
             last["speculative"] = speculative(result)

@@ -3,15 +3,12 @@ local launcher) and the line `gateway listening on HOST:PORT` names the port bou
 
 from __future__ import annotations
 
-import logging
 import socket
 
 import uvicorn
 
 from gateway.app import GatewayConfig, create_app
 from gateway.upstream import Upstream
-
-log = logging.getLogger("specdec.gateway")
 
 
 class _Server(uvicorn.Server):
@@ -39,11 +36,13 @@ def serve(config: GatewayConfig, host: str = "127.0.0.1", port: int = 8000, *, g
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     bound = sock.getsockname()[1]
-    uv_config = uvicorn.Config(create_app(config, upstream), log_level=log_level.lower(), timeout_graceful_shutdown=grace_s,
+    uv_config = uvicorn.Config(create_app(config, upstream), log_level=log_level.lower(),
+                               timeout_graceful_shutdown=grace_s,
                                ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, access_log=False,
                                log_config=None)  # uvicorn logs through the root logger: one format
     scheme = "https" if ssl_certfile else "http"
     names = ",".join(config.served_model_names) or "(the verifier's)"
-    announce = (f"gateway listening on {host}:{bound} url={scheme}://{host}:{bound}/v1 verifier={config.upstream.verifier} "
+    announce = (f"gateway listening on {host}:{bound} url={scheme}://{host}:{bound}/v1 "
+                f"verifier={config.upstream.verifier} "
                 f"drafter={config.upstream.drafter} model={names} auth={config.api_key is not None}")
     _Server(uv_config, announce).run(sockets=[sock])

@@ -19,9 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.serve import server_stats
 from cli import main
 from client.launcher import start_gateway, start_service
+from client.speculative import GenerationResult, StreamChunk
+from gateway.protocol import ResponseBuilder
 from tests.conftest import wait_for
-
-pytestmark = pytest.mark.slow
 
 API_KEY = "test-gateway-key"
 PROMPT = "Why is the sky blue? Answer in one sentence."
@@ -88,6 +88,7 @@ def _live_sessions(*services) -> list[int]:
 # ---- output ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_greedy_chat_completion_equals_specdec_generate_chat(chat_reply, cli_generation):
     choice = chat_reply.choices[0]
     assert chat_reply.object == "chat.completion" and chat_reply.id.startswith("chatcmpl-")
@@ -96,6 +97,7 @@ def test_greedy_chat_completion_equals_specdec_generate_chat(chat_reply, cli_gen
     assert choice.finish_reason == cli_generation["finish_reason"]
 
 
+@pytest.mark.slow
 def test_usage_counts_match_the_token_ids(chat_reply, cli_generation, tokenizer):
     templated = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                               tokenize=True)
@@ -110,6 +112,7 @@ def test_usage_counts_match_the_token_ids(chat_reply, cli_generation, tokenizer)
     assert spec["acceptance_rate"] == pytest.approx(spec["num_accepted_tokens"] / spec["num_draft_tokens"])
 
 
+@pytest.mark.slow
 def test_streamed_chat_chunks_concatenate_to_the_non_streamed_text(oai, model, chat_reply):
     chunks = _chat_stream(oai, model, stream_options={"include_usage": True})
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -123,6 +126,7 @@ def test_streamed_chat_chunks_concatenate_to_the_non_streamed_text(oai, model, c
     assert all(c.usage is None for c in chunks[:-1])
 
 
+@pytest.mark.slow
 def test_streamed_completion_chunks_concatenate_to_the_non_streamed_text(oai, model):
     kwargs = dict(model=model, prompt="The three primary colors are", max_tokens=MAX_TOKENS, temperature=0)
     whole = oai.completions.create(**kwargs)
@@ -132,6 +136,7 @@ def test_streamed_completion_chunks_concatenate_to_the_non_streamed_text(oai, mo
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
+@pytest.mark.slow
 def test_seed_reproduces_a_sampled_completion(oai, model):
     def sample(seed: int) -> str:
         return oai.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=1.0,
@@ -142,6 +147,7 @@ def test_seed_reproduces_a_sampled_completion(oai, model):
     assert len({first, sample(1), sample(2)}) > 1  # and the seed is what fixes it
 
 
+@pytest.mark.slow
 def test_logprobs_are_returned_per_token_in_the_chat_shape(oai, model):
     reply = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=6,
                                         temperature=0, logprobs=True, top_logprobs=2)
@@ -170,6 +176,7 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
     return info.value
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,status,param,code", [
     ("unknown model", 404, "model", "model_not_found"),
     ("n=2", 400, "n", None),
@@ -191,6 +198,7 @@ def test_bad_request_gets_its_status_and_openai_error_body_and_the_gateway_keeps
     assert after.choices[0].finish_reason == "length" and after.usage.completion_tokens == 2
 
 
+@pytest.mark.slow
 def test_unreachable_upstream_is_503_on_health_and_api():
     with start_service("gateway", ["--verifier", "127.0.0.1:1", "--log-level", "ERROR"]) as gw:
         url = f"http://{gw.address}"
@@ -204,6 +212,7 @@ def test_unreachable_upstream_is_503_on_health_and_api():
 # ---- operations ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_client_disconnect_mid_stream_closes_its_upstream_sessions(oai, model, verifier_proc, drafter_proc):
     baseline = _live_sessions(verifier_proc, drafter_proc)
     # Long enough to run for a minute if nothing stopped it.
@@ -263,6 +272,7 @@ def solo_outputs(target_only_gateway, verifier_proc) -> dict:
     return asyncio.run(_concurrently(target_only_gateway, "unused", True, verifier_proc.address))
 
 
+@pytest.mark.slow
 def test_sixteen_concurrent_streams_each_equal_their_solo_output_in_well_under_16x_one(solo_outputs):
     """Target-only decoding is where a front end that serialized requests would show (16x one
     request) against one that runs them at once (the verifier batches them: ~3x on this CPU).
@@ -277,6 +287,7 @@ def test_sixteen_concurrent_streams_each_equal_their_solo_output_in_well_under_1
     assert run["mean_batch"] > 4  # they overlapped upstream
 
 
+@pytest.mark.slow
 def test_sixteen_concurrent_speculative_streams_equal_the_solo_outputs_and_overlap_upstream(
         base_url, verifier_proc, solo_outputs):
     run = asyncio.run(_concurrently(base_url, API_KEY, False, verifier_proc.address))
@@ -285,6 +296,7 @@ def test_sixteen_concurrent_speculative_streams_equal_the_solo_outputs_and_overl
     assert run["mean_batch"] > 1.5  # rounds of different requests shared the verifier's forwards
 
 
+@pytest.mark.slow
 def test_responses_are_not_held_back_by_nagle(base_url):
     """Without TCP_NODELAY on the gateway's connections each response body waits for the
     client's delayed ACK: ~40 ms per request instead of ~1."""
@@ -298,6 +310,7 @@ def test_responses_are_not_held_back_by_nagle(base_url):
     assert statistics.median(times) < 0.025, times
 
 
+@pytest.mark.slow
 def test_metrics_count_requests_tokens_and_drafts(oai, model, base_url):
     def scrape() -> dict[str, float]:
         text = httpx.get(f"{base_url}/metrics").text
@@ -340,6 +353,7 @@ def bench_results(base_url, verifier_proc, drafter_proc, tmp_path_factory) -> tu
     return out / "grpc.json", out / "gateway.json"
 
 
+@pytest.mark.slow
 def test_bench_serve_openai_backend_writes_the_same_json_keys_as_grpc(bench_results):
     grpc_res, http_res = (json.loads(p.read_text()) for p in bench_results)
     assert set(http_res) == set(grpc_res)
@@ -354,6 +368,7 @@ def test_bench_serve_openai_backend_writes_the_same_json_keys_as_grpc(bench_resu
     assert http_res["median_ttft_ms"] > 0 and http_res["acceptance_rate"] is not None
 
 
+@pytest.mark.slow
 def test_bench_compare_results_prints_both_runs_side_by_side(bench_results, capsys):
     assert main(["bench", "compare-results", *map(str, bench_results), "--labels", "grpc", "gateway"]) == 0
     table = capsys.readouterr().out
@@ -361,3 +376,28 @@ def test_bench_compare_results_prints_both_runs_side_by_side(bench_results, caps
     row = next(line for line in table.splitlines() if line.startswith("total input tokens"))
     assert row.split()[-1] == "1.00"
     assert "same workload" in table
+
+
+# ---- stream assembly (no services) ---------------------------------------------------------------
+
+
+def _stream_text(builder: ResponseBuilder, chunks: list[StreamChunk]) -> str:
+    bodies = [b for c in chunks for b in builder.chunks(c)]
+    return "".join(b["choices"][0]["text"] for b in bodies if b["choices"])
+
+
+def test_a_stop_string_across_rounds_is_never_streamed():
+    """The client cuts the final text before a stop string that a later round completes; the
+    text streamed before that round must not already contain its beginning."""
+    result = GenerationResult(text="Hello ", token_ids=[1, 2, 3], prompt_token_ids=[0], finish_reason="stop")
+    chunks = [StreamChunk([1], "Hello wor"), StreamChunk([2, 3], "ld! More", result=result)]
+    builder = ResponseBuilder(chat=False, model="m", prompt_tokens=1, decode=str, hold=len("world") - 1)
+    assert _stream_text(builder, chunks) == "Hello " == result.text
+
+
+def test_without_stop_strings_every_round_is_streamed_at_once():
+    result = GenerationResult(text="ab cd", token_ids=[1, 2], prompt_token_ids=[0], finish_reason="length")
+    builder = ResponseBuilder(chat=False, model="m", prompt_tokens=1, decode=str)
+    first = builder.chunks(StreamChunk([1], "ab"))
+    assert [b["choices"][0]["text"] for b in first] == ["ab"]
+    assert _stream_text(builder, [StreamChunk([2], " cd", result=result)]) == " cd"
