@@ -35,7 +35,7 @@ RUN pip install --no-deps -e . && useradd --create-home --uid 10001 specdec \
     && mkdir -p /models && chown specdec /models
 USER specdec
 VOLUME ["/models"]
-EXPOSE 50051 50052 9100
+EXPOSE 50051 50052 8000 9100
 ENTRYPOINT ["specdec"]
 CMD ["verifier"]
 
@@ -53,6 +53,6 @@ RUN pip install --no-deps -e . && useradd --create-home --uid 10001 specdec \
     && mkdir -p /models && chown specdec /models
 USER specdec
 VOLUME ["/models"]
-EXPOSE 50051 50052 9100
+EXPOSE 50051 50052 8000 9100
 ENTRYPOINT ["specdec"]
 CMD ["verifier"]

@@ -1,4 +1,4 @@
-"""`specdec bench serve|compare|sweep|peer|verifier|sampler|engine`: arguments, then a call into a module.
+"""`specdec bench serve|compare|compare-results|sweep|peer|verifier|sampler|engine`: arguments, then a call into a module.
 
 Only argparse at module level: `cli` builds this parser for every command.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 from specdec.argtypes import positive as _positive
@@ -51,12 +52,12 @@ def _add_dataset_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: 
                    help="apply the chat template (default on; multi-turn prompts are sent as chats)")
 
 
-def _add_workload_args(p: argparse.ArgumentParser) -> None:
+def _add_workload_args(p: argparse.ArgumentParser, verifier_required: bool = True) -> None:
     from specdec.argtypes import AddressList
 
     p.add_argument("--drafter", action=AddressList,
                    help="HOST:PORT; repeat it or separate by commas for a pool (not needed with --target-only)")
-    p.add_argument("--verifier", action=AddressList, required=True,
+    p.add_argument("--verifier", action=AddressList, required=verifier_required,
                    help="HOST:PORT; repeat it or separate by commas for a pool")
     _add_dataset_args(p, num_prompts=24, max_tokens=64)
     p.add_argument("--request-rate", type=_rate, default=math.inf,
@@ -90,7 +91,16 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     sub = bench.add_subparsers(dest="bench_command", required=True, parser_class=type(bench))
 
     s = sub.add_parser("serve", help="one vLLM-style serving benchmark run")
-    _add_workload_args(s)
+    _add_workload_args(s, verifier_required=False)
+    s.add_argument("--backend", default="specdec", choices=["specdec", "openai"],
+                   help="specdec: our services over gRPC (--drafter, --verifier); openai: any OpenAI-compatible "
+                        "server over streaming HTTP (--base-url), e.g. `specdec gateway`, vLLM, llama-server")
+    s.add_argument("--base-url", default=None, help="--backend openai: the server's root, e.g. http://127.0.0.1:8000")
+    s.add_argument("--endpoint", default=None, choices=["/v1/completions", "/v1/chat/completions"],
+                   help="--backend openai (default: chat completions with --chat, else completions)")
+    s.add_argument("--model", default=None, help="--backend openai: model name (default: the first of /v1/models)")
+    s.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="--backend openai: bearer key (default $OPENAI_API_KEY)")
     s.add_argument("--target-only", action="store_true", help="the baseline: verifier alone, drafter never contacted")
     s.add_argument("--baseline-json", default=None,
                    help="--result-json of a --target-only run of the same workload (gives system efficiency)")
@@ -102,6 +112,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "target-only is added first when missing")
     c.add_argument("--repeats", type=_positive("--repeats"), default=1,
                    help="run the variant list this many times in rotated order; report each variant's median repeat")
+
+    r = sub.add_parser("compare-results", help="side-by-side table of `bench serve --result-json` files "
+                                                "(e.g. our gateway vs a vLLM server on the same prompts)")
+    r.add_argument("results", nargs="+", metavar="RESULT_JSON", help="two or more result files; the first is the "
+                                                                      "reference of the ratio column")
+    r.add_argument("--labels", nargs="+", default=None, help="column names (default: the file names)")
 
     w = sub.add_parser("sweep", help="serve at several concurrencies or rates, speculative and target-only")
     _add_workload_args(w)
@@ -160,6 +176,12 @@ def _workload(args: argparse.Namespace, target_only: bool):
 def _serve(args: argparse.Namespace) -> int:
     from bench import serve
 
+    if args.backend == "openai":
+        return _serve_openai(args)
+    if args.base_url or args.model or args.endpoint:
+        raise ValueError("--base-url, --model and --endpoint go with --backend openai")
+    if not args.verifier:
+        raise ValueError("--verifier is required (or --backend openai --base-url URL)")
     if not args.target_only and not args.drafter:
         raise ValueError("--drafter is required unless --target-only")
     baseline = None
@@ -184,6 +206,38 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--baseline-json ran a different workload ({', '.join(differs)} differ); "
                              "its speedup and efficiency would be meaningless")
     return 0 if result["completed"] else 1
+
+
+def _serve_openai(args: argparse.Namespace) -> int:
+    from bench import serve
+    from bench.openai_backend import OpenAITarget, run_serve_openai
+
+    if not args.base_url:
+        raise ValueError("--backend openai needs --base-url URL")
+    if args.verifier or args.drafter or args.target_only or args.baseline_json:
+        raise ValueError("--backend openai measures the server at --base-url: drop --verifier, --drafter, "
+                         "--target-only and --baseline-json")
+    target = OpenAITarget(base_url=args.base_url, endpoint=args.endpoint, model=args.model, api_key=args.api_key)
+    result = run_serve_openai(_workload(args, False), target)
+    print(serve.format_result(result))
+    if args.result_json:
+        serve.write_json(result, args.result_json)
+    if args.plot:
+        from bench.plot import plot_serve
+
+        plot_serve(result, args.plot)
+    return 0 if result["completed"] else 1
+
+
+def _compare_results(args: argparse.Namespace) -> int:
+    from bench.compare_results import format_results_table, load_results
+
+    if len(args.results) < 2:
+        raise ValueError("compare-results needs at least two result files")
+    if args.labels is not None and len(args.labels) != len(args.results):
+        raise ValueError(f"--labels names {len(args.labels)} columns for {len(args.results)} files")
+    print(format_results_table(load_results(args.results), args.labels))
+    return 0
 
 
 def _compare(args: argparse.Namespace) -> int:
@@ -244,6 +298,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from bench import verifier
     from bench import engine as bench_engine, sampler as bench_sampler
 
-    commands = {"serve": _serve, "compare": _compare, "sweep": _sweep, "peer": _peer, "verifier": verifier.run,
+    commands = {"serve": _serve, "compare-results": _compare_results,
+                "compare": _compare, "sweep": _sweep, "peer": _peer, "verifier": verifier.run,
                 "sampler": bench_sampler.run, "engine": bench_engine.run}
     return commands[args.bench_command](args)

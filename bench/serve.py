@@ -305,9 +305,10 @@ def send_request(client: SpeculativeClient, req: BenchRequest, config: WorkloadC
 
 
 def dispatch(client: SpeculativeClient, requests: Sequence[BenchRequest], config: WorkloadConfig,
-             gamma: int) -> tuple[list[RequestRecord], float]:
+             gamma: int, send=send_request) -> tuple[list[RequestRecord], float]:
     """Send every request at its arrival time; returns the records (in request order)
-    and the run's duration in seconds."""
+    and the run's duration in seconds. `send(client, req, config, gamma, run_start, deadline)`
+    measures one request (another backend passes its own: bench/openai_backend.py)."""
     offsets = arrival_offsets(len(requests), config.request_rate, config.seed, config.burstiness)
     workers = max(1, min(len(requests), config.max_concurrency or len(requests)))
     progress = _progress(len(requests), config)
@@ -331,7 +332,7 @@ def dispatch(client: SpeculativeClient, requests: Sequence[BenchRequest], config
             pause = wake - time.perf_counter()
             if pause > 0:
                 time.sleep(pause)
-            fut = pool.submit(send_request, client, req, config, gamma, start, deadline)
+            fut = pool.submit(send, client, req, config, gamma, start, deadline)
             fut.add_done_callback(done)
             futures.append(fut)
     if progress is not None:
@@ -496,14 +497,32 @@ def run_serve(config: WorkloadConfig, client: SpeculativeClient | None = None,
     finally:
         if own_client:
             client.close()
+    stats = {role: {"before": before[role], "after": after[role], "delta": _stats_delta(before[role], after[role])}
+             for role in roles}
+    result = assemble_result(
+        config, records, duration, backend="specdec", gamma=gamma, server_stats=stats,
+        verifier_model=client.verifier_info.model,
+        drafter_model=client.drafter_info.model if client.drafter_info and not config.target_only else None)
+    if not config.target_only:
+        add_efficiency(result, baseline)
+    return result
+
+
+def assemble_result(config: WorkloadConfig, records: Sequence[RequestRecord], duration: float, *, backend: str,
+                    gamma: int | str | None, server_stats: dict, verifier_model: str | None,
+                    drafter_model: str | None, mode: str | None = None, base_url: str | None = None,
+                    endpoint: str | None = None) -> dict:
+    """The result dict of one run, whatever the backend measured it through: the same keys."""
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "backend": "specdec",
-        "mode": "target-only" if config.target_only else "speculative",
+        "backend": backend,
+        "mode": mode or ("target-only" if config.target_only else "speculative"),
         "verifier": config.verifier,
         "drafter": None if config.target_only else config.drafter,
-        "verifier_model": client.verifier_info.model,
-        "drafter_model": client.drafter_info.model if client.drafter_info and not config.target_only else None,
+        "base_url": base_url,  # --backend openai: the server measured, and its endpoint
+        "endpoint": endpoint,
+        "verifier_model": verifier_model,
+        "drafter_model": drafter_model,
         "dataset": config.dataset,
         "chat": config.chat,
         "num_speculative_tokens": gamma,
@@ -523,13 +542,8 @@ def run_serve(config: WorkloadConfig, client: SpeculativeClient | None = None,
         cat: compute_metrics([r for r in records if r.category == cat], duration, config.goodput_slos_ms)
         for cat in categories
     }
-    result["server_stats"] = {
-        role: {"before": before[role], "after": after[role], "delta": _stats_delta(before[role], after[role])}
-        for role in roles
-    }
+    result["server_stats"] = server_stats
     result["per_request"] = [dataclasses.asdict(r) for r in records]
-    if not config.target_only:
-        add_efficiency(result, baseline)
     return result
 
 

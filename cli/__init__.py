@@ -1,4 +1,4 @@
-"""`specdec drafter|verifier|generate|health|demo|bench`: parse arguments, then call a module.
+"""`specdec drafter|verifier|gateway|generate|health|demo|bench`: parse arguments, then call a module.
 
 Service and client modules are imported inside the command functions, so that the
 core package itself never imports grpc.
@@ -14,7 +14,7 @@ import sys
 from specdec.argtypes import AddressList, gamma_arg, positive  # noqa: F401  (re-exported)
 from specdec.errors import SpecDecError
 
-DEFAULT_PORTS = {"drafter": 50051, "verifier": 50052}
+DEFAULT_PORTS = {"drafter": 50051, "verifier": 50052, "gateway": 8000}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -102,16 +102,16 @@ def _add_client_security_args(p: argparse.ArgumentParser, auth: bool = True) -> 
         p.add_argument("--auth-token-file", default=None, help="send the first token in this file as a bearer token")
 
 
-def _apply_env_defaults(p: argparse.ArgumentParser, role: str) -> None:
-    """Every `--some-flag` of a service defaults to $SPECDEC_<ROLE>_SOME_FLAG, else
-    $SPECDEC_SOME_FLAG (how containers are configured); a flag on the command line wins."""
+def _apply_env_defaults(p: argparse.ArgumentParser, role: str, shared: bool = True) -> None:
+    """Every `--some-flag` of a service defaults to $SPECDEC_<ROLE>_SOME_FLAG, else (when
+    `shared`) $SPECDEC_SOME_FLAG (how containers are configured); a flag on the command line wins."""
     checks = []
     for action in p._actions:
         flags = [f for f in action.option_strings if f.startswith("--")]
         if not flags or action.dest == "help":
             continue
         name = flags[0][2:].upper().replace("-", "_")
-        for var in (f"SPECDEC_{role.upper()}_{name}", f"SPECDEC_{name}"):
+        for var in (f"SPECDEC_{role.upper()}_{name}", f"SPECDEC_{name}")[: 2 if shared else 1]:
             value = os.environ.get(var)
             if value is None:
                 continue
@@ -242,6 +242,42 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return generate_command(args, params)
 
 
+def _add_gateway_parser(sub) -> None:
+    gw = sub.add_parser("gateway", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions) "
+                                        "over a drafter and a verifier")
+    gw.add_argument("--drafter", action=AddressList,
+                    help="HOST:PORT; repeat it or separate by commas for a pool (none: target-only decoding)")
+    gw.add_argument("--verifier", action=AddressList,
+                    help="HOST:PORT; repeat it or separate by commas for a pool (required, here or in the environment)")
+    gw.add_argument("--host", default="127.0.0.1", help="HTTP address to bind (0.0.0.0 in a container)")
+    gw.add_argument("--port", type=positive("--port", zero=True), default=DEFAULT_PORTS["gateway"],
+                    help="0 picks a free port")
+    gw.add_argument("--api-key", default=None,
+                    help="clients must send `Authorization: Bearer KEY` on /v1/* (prefer $SPECDEC_GATEWAY_API_KEY: "
+                         "a flag shows in ps)")
+    gw.add_argument("--served-model-name", nargs="+", default=None,
+                    help="model names clients may ask for (the first is reported); default: the verifier's model name")
+    gw.add_argument("--num-speculative-tokens", type=gamma_arg, default="auto",
+                    help="gamma, drafts per round, or 'auto' (adaptive per round in [1, 8]; default)")
+    gw.add_argument("--fanout", type=positive("--fanout", zero=True), default=0,
+                    help="speculation cache: the drafter pre-drafts the next round for its top-F bonus candidates")
+    gw.add_argument("--max-concurrent-requests", type=positive("--max-concurrent-requests"), default=64,
+                    help="generations run at once, each on a worker thread with a session on each side; "
+                         "more requests wait for a thread")
+    gw.add_argument("--timeout-s", type=float, default=60.0, help="deadline of every upstream call")
+    gw.add_argument("--recovery-timeout-s", type=float, default=10.0,
+                    help="how long a request waits for a lost verifier to come back before it fails with 503")
+    _add_client_security_args(gw)
+    gw.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve HTTPS (with --ssl-keyfile)")
+    gw.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile")
+    gw.add_argument("--grace-s", type=float, default=5.0,
+                    help="on SIGTERM, let requests in flight finish for this long, then cancel them")
+    gw.add_argument("--log-level", default="INFO")
+    # Only SPECDEC_GATEWAY_*: the shared SPECDEC_PORT, SPECDEC_TLS_CA, ... configure the services'
+    # server side and mean something else here.
+    _apply_env_defaults(gw, "gateway", shared=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specdec", description="Distributed speculative decoding over gRPC")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -250,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
         _add_model_args(p, role)
         _add_ops_args(p)
         _apply_env_defaults(p, role)
+
+    _add_gateway_parser(sub)
 
     g = sub.add_parser("generate", help="generate text through a drafter and a verifier")
     g.add_argument("--drafter", action=AddressList,
@@ -264,8 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_security_args(g)
     _sampling_args(g)
 
-    h = sub.add_parser("health", help="gRPC health check of a service: exit 0 when SERVING (container healthchecks)")
-    h.add_argument("--address", required=True, help="HOST:PORT")
+    h = sub.add_parser("health", help="gRPC health check of a service: exit 0 when SERVING (container healthchecks); "
+                                      "--url: HTTP check of the gateway, exit 0 on 200")
+    target = h.add_mutually_exclusive_group(required=True)
+    target.add_argument("--address", help="HOST:PORT of a drafter or verifier")
+    target.add_argument("--url", help="HTTP URL of the gateway's health, e.g. http://127.0.0.1:8000/health")
     h.add_argument("--service", default="", help="service name, e.g. specdec.v1.Verifier ('' = the whole server)")
     h.add_argument("--timeout-s", type=float, default=5.0)
     _add_client_security_args(h, auth=False)
@@ -279,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--verifier-args", default="", help="extra arguments for `specdec verifier`")
     d.add_argument("--temperature", type=float, default=0.0)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--keep-running", action="store_true",
+                   help="keep the services and the gateway up after the demo (for the printed curl line) until Ctrl-C")
 
     r = sub.add_parser("random-model", help="write a random-weight Llama of a bench-engine preset as a model "
                                             "directory (GPU end-to-end runs without weights)")
@@ -301,6 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("drafter", "verifier"):
             return _serve(args, args.command)
+        if args.command == "gateway":
+            from cli.commands import gateway_command
+
+            _check_env_values(args)
+            if not args.verifier:
+                raise ValueError("--verifier (or $SPECDEC_GATEWAY_VERIFIER) is required")
+            return gateway_command(args)
         if args.command == "generate":
             return _generate(args, parser)
         if args.command == "health":

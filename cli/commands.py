@@ -1,5 +1,5 @@
-"""Client-side command bodies behind `specdec generate` and `specdec health` (the CLI
-parses, this runs)."""
+"""Client-side command bodies behind `specdec generate`, `specdec gateway` and `specdec
+health` (the CLI parses, this runs)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,9 @@ def health_command(args: argparse.Namespace) -> int:
     """Print the status; exit 0 only when SERVING (what a container healthcheck needs)."""
     from specdec_rpc.ops import TLSFiles, check_health
 
+    if args.url:
+        return _http_health(args.url, args.timeout_s)
+
     try:
         status = check_health(args.address, args.service, timeout_s=args.timeout_s,
                               tls=TLSFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca))
@@ -57,3 +60,43 @@ def health_command(args: argparse.Namespace) -> int:
         return 1
     print(status)
     return 0 if status == "SERVING" else 1
+
+
+def _http_health(url: str, timeout_s: float) -> int:
+    """The gateway's /health: print its body; exit 0 only on 200 (its verifiers answer)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+            print(reply.read().decode())
+            return 0
+    except urllib.error.HTTPError as exc:
+        print(f"specdec health: {url}: HTTP {exc.code}: {exc.read().decode()[:500]}", file=sys.stderr)
+    except (urllib.error.URLError, OSError) as exc:
+        print(f"specdec health: {url}: {exc}", file=sys.stderr)
+    return 1
+
+
+def gateway_command(args: argparse.Namespace) -> int:
+    import logging
+
+    from gateway import GatewayConfig, UpstreamConfig
+    from gateway.server import serve
+    from specdec_rpc.ops import read_token
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="ts=%(asctime)s role=gateway level=%(levelname)s logger=%(name)s %(message)s")
+    upstream = UpstreamConfig(
+        verifier=args.verifier, drafter=args.drafter, num_speculative_tokens=args.num_speculative_tokens,
+        fanout=args.fanout, timeout_s=args.timeout_s, recovery_timeout_s=args.recovery_timeout_s,
+        tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        auth_token=read_token(args.auth_token_file) if args.auth_token_file else None,
+        max_concurrent_requests=args.max_concurrent_requests)
+    names = args.served_model_name or ()
+    if isinstance(names, str):  # from $SPECDEC_GATEWAY_SERVED_MODEL_NAME: "a b" or "a,b"
+        names = names.replace(",", " ").split()
+    config = GatewayConfig(upstream=upstream, api_key=args.api_key or None, served_model_names=tuple(names))
+    serve(config, args.host, args.port, grace_s=args.grace_s, ssl_certfile=args.ssl_certfile,
+          ssl_keyfile=args.ssl_keyfile, log_level=args.log_level)
+    return 0

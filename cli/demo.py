@@ -1,11 +1,14 @@
-"""`specdec demo`: both services as local processes, speculative vs target-only in one run."""
+"""`specdec demo`: both services as local processes, speculative vs target-only in one run,
+then the OpenAI-compatible gateway in front of them and a curl line that works against it."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
+import time
 
-from client.launcher import start_service
+from client.launcher import ServiceProcess, start_gateway, start_service
 from client.speculative import SpeculativeClient
 from specdec.sampling import SamplingParams
 
@@ -51,7 +54,28 @@ def run_demo(args: argparse.Namespace) -> int:
             base_tps = totals["target"][0] / totals["target"][1]
             print(f"overall: acceptance {accepted / max(proposed, 1):.3f}; speculative {spec_tps:.1f} tok/s, "
                   f"target-only {base_tps:.1f} tok/s, speedup {spec_tps / base_tps:.2f}x")
+        services.append(start_gateway(verifier, drafter, ["--num-speculative-tokens", str(gamma)]))
+        _show_gateway(services[-1], args.keep_running)
     finally:
         for s in reversed(services):
             s.stop()
     return 0
+
+
+def _show_gateway(gateway: ServiceProcess, keep_running: bool) -> None:
+    """Print a curl command for the gateway, and what the gateway answers to it."""
+    import httpx
+
+    url = f"http://{gateway.address}/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "Why is the sky blue? One sentence."}], "max_tokens": 48,
+            "temperature": 0}
+    print(f"\nOpenAI-compatible gateway at http://{gateway.address}/v1 (specdec gateway); try:\n"
+          f"  curl -s {url} -H 'Content-Type: application/json' -d {shlex.quote(json.dumps(body))}\n"
+          f"  (add \"stream\": true for server-sent events)", flush=True)
+    reply = httpx.post(url, json=body, timeout=300).json()
+    print(f"it answers: {reply['choices'][0]['message']['content'].strip()!r}\n"
+          f"  usage {reply['usage']}, speculative {json.dumps(reply['speculative'])}", flush=True)
+    if keep_running:
+        print("services and gateway keep running; Ctrl-C stops them", flush=True)
+        while True:
+            time.sleep(3600)

@@ -1,4 +1,5 @@
-"""Start drafter / verifier services as local processes on free loopback ports.
+"""Start drafter / verifier services, and the HTTP gateway, as local processes on free
+loopback ports.
 
 Used by `specdec demo`, the benchmarks and the integration tests: the same topology as
 docker-compose, as plain processes.
@@ -12,6 +13,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -52,10 +55,10 @@ def start_service(role: str, args: list[str] | None = None, *, host: str = "127.
                   env: dict[str, str] | None = None) -> ServiceProcess:
     """Run `specdec <role> ...` and wait until it prints the address it bound. `env` adds
     variables (e.g. SPECDEC_DTYPE, SPECDEC_METRICS_PORT: the container configuration)."""
-    if role not in ("drafter", "verifier"):
-        raise ValueError(f"role must be drafter or verifier, got {role!r}")
+    if role not in ("drafter", "verifier", "gateway"):
+        raise ValueError(f"role must be drafter, verifier or gateway, got {role!r}")
     cmd = [sys.executable, "-m", "cli", role, "--host", host, "--port", str(port), *(args or [])]
-    if threads:
+    if threads and role != "gateway":
         cmd += ["--threads", str(threads)]
     env = {**os.environ, **(env or {})}
     # Idle OpenMP workers sleep instead of spinning, so the other service gets the cores
@@ -90,3 +93,23 @@ def start_service(role: str, args: list[str] | None = None, *, host: str = "127.
         raise RuntimeError(f"{role} exited with {proc.poll()} before serving:\n" + "\n".join(service.output[-40:]))
     log.info("%s pid=%d at %s", role, proc.pid, service.address)
     return service
+
+
+def start_gateway(verifier: str, drafter: str | None = None, args: list[str] | None = None, *,
+                  host: str = "127.0.0.1", port: int = 0, timeout_s: float = 120.0,
+                  env: dict[str, str] | None = None) -> ServiceProcess:
+    """Run `specdec gateway` in front of `verifier` (and `drafter`), and wait until its
+    /health answers 200 (the upstream is connected). `address` is its HOST:PORT."""
+    upstream = ["--verifier", verifier] + (["--drafter", drafter] if drafter else [])
+    service = start_service("gateway", upstream + list(args or []), host=host, port=port, timeout_s=timeout_s,
+                            env=env)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{service.address}/health", timeout=5):
+                return service
+        except (urllib.error.URLError, OSError) as exc:
+            if service.proc.poll() is not None or time.monotonic() > deadline:
+                service.kill()
+                raise RuntimeError(f"gateway not healthy ({exc}):\n" + "\n".join(service.output[-20:])) from None
+        time.sleep(0.2)

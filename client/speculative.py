@@ -108,6 +108,7 @@ class StreamChunk:
     token_ids: list[int]  # tokens committed this round
     text: str  # new text since the previous chunk
     result: GenerationResult | None = None  # set on the last chunk
+    logprobs: list[dict] | None = None  # this round's entries of GenerationResult.logprobs (SamplingParams.logprobs)
 
 
 def _lcp(cached: Sequence[int], committed: Sequence[int], limit: int) -> int:
@@ -442,6 +443,7 @@ class SpeculativeClient:
                     controller.update(len(drafts), vresp.num_accepted, draft_s, now - ts)
 
                 new: list[int] = []
+                logprobs_from = len(result.logprobs) if result.logprobs is not None else 0
                 for i, tok in enumerate(out):
                     new.append(tok)
                     committed.append(tok)
@@ -469,12 +471,13 @@ class SpeculativeClient:
                 # Hold back an incomplete UTF-8 sequence until the next round completes it.
                 stable = text if finished else text.rstrip("\ufffd")
                 delta, emitted_text = stable[len(emitted_text):], stable
+                logprobs = result.logprobs[logprobs_from:] if result.logprobs is not None else None
                 if finished:
                     result.text = text
                     result.elapsed_s = time.perf_counter() - t0
-                    yield StreamChunk(token_ids=new, text=delta, result=result)
+                    yield StreamChunk(token_ids=new, text=delta, result=result, logprobs=logprobs)
                 else:
-                    yield StreamChunk(token_ids=new, text=delta)
+                    yield StreamChunk(token_ids=new, text=delta, logprobs=logprobs)
         finally:
             self._end(self.verifiers, verifier)
             if self.drafters is not None:

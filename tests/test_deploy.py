@@ -3,10 +3,12 @@ and the same topology runs as local processes configured only through the enviro
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -83,12 +85,44 @@ def _parse(argv: list[str], env: dict[str, str], monkeypatch):
             monkeypatch.delenv(key)
 
 
-def test_compose_has_drafter_verifier_and_a_loadgen_profile(compose):
-    assert set(compose["services"]) == {"drafter", "verifier", "loadgen"}
-    assert "profiles" not in compose["services"]["drafter"] and "profiles" not in compose["services"]["verifier"]
+def _interpolate(env: dict) -> dict[str, str]:
+    """Compose's `${VAR:-default}` with VAR unset: the default."""
+    return {k: re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(v)) for k, v in env.items()}
+
+
+def test_compose_has_drafter_verifier_gateway_and_a_loadgen_profile(compose):
+    assert set(compose["services"]) == {"drafter", "verifier", "gateway", "loadgen"}
+    for name in ("drafter", "verifier", "gateway"):
+        assert "profiles" not in compose["services"][name], name
     assert compose["services"]["loadgen"]["profiles"] == ["loadgen"]
-    deps = compose["services"]["loadgen"]["depends_on"]
-    assert deps == {"drafter": {"condition": "service_healthy"}, "verifier": {"condition": "service_healthy"}}
+    healthy = {"drafter": {"condition": "service_healthy"}, "verifier": {"condition": "service_healthy"}}
+    assert compose["services"]["loadgen"]["depends_on"] == healthy
+    assert compose["services"]["gateway"]["depends_on"] == healthy
+
+
+def test_compose_gateway_config_is_what_the_cli_parses(compose, monkeypatch):
+    service = compose["services"]["gateway"]
+    env = _interpolate(service["environment"])
+    args = _parse(_service_argv(service), env, monkeypatch)
+    assert args.command == "gateway"
+    assert (args.host, args.port) == ("0.0.0.0", 8000)
+    assert (args.verifier, args.drafter) == ("verifier:50052", "drafter:50051")  # the service names
+    assert args.num_speculative_tokens == "auto" and args.api_key is None  # no key unless GATEWAY_API_KEY is set
+    unknown = [k for k in env if k != "SPECDEC_CACHE"
+               and not (k.startswith("SPECDEC_GATEWAY_") and hasattr(args, k.removeprefix("SPECDEC_GATEWAY_").lower()))]
+    assert not unknown, f"{unknown} name no flag of `specdec gateway`"
+    assert float(service["stop_grace_period"].rstrip("s")) > args.grace_s
+    assert f"{args.port}:{args.port}" in service["ports"]
+    assert "deploy" not in service  # no GPU
+
+
+def test_compose_gateway_healthcheck_is_an_http_check_of_its_health(compose, monkeypatch):
+    service = compose["services"]["gateway"]
+    test = service["healthcheck"]["test"]
+    assert test[:2] == ["CMD", "specdec"]
+    args = _parse(test[2:], {}, monkeypatch)
+    port = _parse(_service_argv(service), _interpolate(service["environment"]), monkeypatch).port
+    assert args.command == "health" and args.url == f"http://127.0.0.1:{port}/health"
 
 
 @pytest.mark.parametrize("role,port", [("drafter", 50051), ("verifier", 50052)])
@@ -148,6 +182,7 @@ def test_cpu_override_drops_gpu_reservations_and_sets_device_cpu(compose_cpu, mo
         assert args.device == "cpu"
         assert service["healthcheck"]["test"] == _load("docker-compose.yml")["services"][role]["healthcheck"]["test"]
     assert compose_cpu["services"]["loadgen"]["image"] == "specdec:cpu"
+    assert compose_cpu["services"]["gateway"]["image"] == "specdec:cpu"
 
 
 def test_dockerfile_has_cpu_and_cuda_targets_with_the_specdec_entrypoint():
@@ -180,7 +215,7 @@ def test_compose_topology_as_local_processes_configured_by_environment():
     common = {"SPECDEC_MAX_DRAFT_TOKENS": "6", "SPECDEC_LOG_LEVEL": "WARNING", "SPECDEC_THREADS": "1",
               "SPECDEC_GRACE_S": "3"}
     verifier = start_service("verifier", env={**common, "SPECDEC_METRICS_PORT": str(metrics_port)})
-    drafter = None
+    drafter = gateway = None
     try:
         # Role-prefixed variables win over the shared ones (one environment, two services).
         drafter = start_service("drafter", env={**common, "SPECDEC_DTYPE": "bfloat16",
@@ -198,7 +233,24 @@ def test_compose_topology_as_local_processes_configured_by_environment():
         assert spec.token_ids == base.token_ids and spec.num_draft_tokens > 0
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
             assert b"specdec_forwards_total" in reply.read()
+        # The gateway, configured only by SPECDEC_GATEWAY_*; the shared SPECDEC_* above do not reach it.
+        gateway = start_service("gateway", env={**common, "SPECDEC_GATEWAY_VERIFIER": verifier.address,
+                                                "SPECDEC_GATEWAY_DRAFTER": drafter.address,
+                                                "SPECDEC_GATEWAY_API_KEY": "k", "SPECDEC_GATEWAY_PORT": "0"})
+        url = f"http://{gateway.address}"
+        health = [sys.executable, "-m", "cli", "health", "--url", f"{url}/health"]  # the compose healthcheck
+        deadline = time.monotonic() + 60
+        while subprocess.run(health, capture_output=True, timeout=30).returncode != 0:
+            assert time.monotonic() < deadline, "the gateway never became healthy"
+            time.sleep(0.5)
+        request = urllib.request.Request(f"{url}/v1/completions", method="POST", headers={
+            "Authorization": "Bearer k", "Content-Type": "application/json"},
+            data=json.dumps({"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}).encode())
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            assert json.loads(reply.read())["choices"][0]["text"] == spec.text
     finally:
+        if gateway is not None:
+            gateway.stop()
         for svc in (drafter, verifier):
             if svc is not None:
                 svc.stop()

@@ -1,0 +1,322 @@
+"""The FastAPI application: OpenAI's /v1/completions, /v1/chat/completions and /v1/models,
+plus /health and /metrics, over one `Upstream` (the speculative client).
+
+A request is validated (pydantic, then SamplingParams), tokenized, and queued on a worker
+thread; the handler waits for the first round's chunk before it answers, so a verifier
+that is down is a 503 rather than a 200 stream with an error in it. After that a stream
+sends one SSE event per round that produced text. Whichever way the client leaves
+(a closed stream, a dropped non-streamed request) the generation is cancelled and its
+upstream sessions are closed after the round in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from client.speculative import GenerationResult, StreamChunk
+from gateway.metrics import GatewayMetrics, RequestTimer
+from gateway.protocol import (
+    CHAT,
+    COMPLETIONS,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseBuilder,
+    bad_request,
+    models_list,
+    sampling_params,
+)
+from gateway.upstream import Generation, Upstream, UpstreamConfig
+
+log = logging.getLogger("specdec.gateway")
+
+CLIENT_CLOSED = 499  # nginx's code for a request the client abandoned; only metrics and logs see it
+_ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    upstream: UpstreamConfig
+    api_key: str | None = None  # clients must send `Authorization: Bearer <api_key>` to /v1/*
+    served_model_names: tuple[str, ...] = ()  # default: the verifier's model name
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastAPI:
+    upstream = upstream or Upstream(config.upstream)
+    metrics = GatewayMetrics()
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        connecting = asyncio.create_task(upstream.connect_forever())
+        try:
+            yield
+        finally:
+            connecting.cancel()
+            await asyncio.to_thread(upstream.close)
+
+    app = FastAPI(title="specdec OpenAI-compatible gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.upstream, app.state.metrics = upstream, metrics
+
+    # ---- errors in OpenAI's shape ---------------------------------------------------------------
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = validation_to_api_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else None
+        err = APIError(exc.status_code, str(exc.detail), code=code)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        err = APIError(500, f"internal error: {type(exc).__name__}", type="server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    # ---- operations -----------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok, detail = await upstream.health()
+        return JSONResponse(detail, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        metrics.running.set(upstream.running())
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        client = upstream.require()
+        info = client.verifier_info
+        return models_list(list(served_names()), info.model, info.max_context, started)
+
+    # ---- generation -----------------------------------------------------------------------------
+
+    @app.post(COMPLETIONS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await generate(request, body, chat=False)
+
+    @app.post(CHAT)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await generate(request, body, chat=True)
+
+    def served_names() -> tuple[str, ...]:
+        return config.served_model_names or (upstream.require().verifier_info.model,)
+
+    async def generate(request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> Response:
+        endpoint = CHAT if chat else COMPLETIONS
+        body.refuse_unsupported()
+        client = upstream.require()
+        names = served_names()
+        model = body.model or names[0]
+        if model not in names:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves {', '.join(names)}.",
+                           param="model", code="model_not_found")
+        if chat:
+            prompt_ids = await upstream.encode(messages=body.template_messages())
+        else:
+            prompt = body.single_prompt()
+            if not isinstance(prompt, str) and not all(0 <= t < client.verifier_info.vocab_size for t in prompt):
+                raise bad_request("prompt", f"token ids must be in [0, {client.verifier_info.vocab_size})")
+            prompt_ids = await upstream.encode(prompt=prompt)
+        params = sampling_params(body, len(prompt_ids), client.verifier_info.max_context)
+        builder = ResponseBuilder(chat=chat, model=model, prompt_tokens=len(prompt_ids),
+                                  decode=upstream.decode_token, logprobs=params.logprobs is not None,
+                                  hold=max((len(stop) - 1 for stop in params.stop), default=0),
+                                  include_usage=bool(body.stream_options and body.stream_options.include_usage))
+        timer = metrics.timer(endpoint)
+        gen = upstream.start(prompt_ids, params)
+        try:
+            first = await _race(request, _next(gen, timer))
+            if first is None:
+                raise APIError(500, "the generation ended without a result", type="server_error")
+            if body.stream:
+                # The background task runs once the stream ends, also when Starlette cancels it
+                # because the client left: the generation stops even before _sse is finalized.
+                return StreamingResponse(_sse(gen, first, builder, timer), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                         background=BackgroundTask(gen.cancel))
+            result = await _race(request, _rest(gen, first, timer))
+        except _ClientGone:
+            gen.cancel()
+            _finish(timer, builder, None, "abort")
+            return Response(status_code=CLIENT_CLOSED)
+        except BaseException as exc:
+            gen.cancel()
+            _finish(timer, builder, None, "abort" if isinstance(exc, asyncio.CancelledError) else "error")
+            raise
+        _finish(timer, builder, result)
+        return JSONResponse(builder.response(result))
+
+    app.add_middleware(_FrontDoor, api_key=config.api_key, metrics=metrics)
+    return app
+
+
+def validation_to_api_error(exc: RequestValidationError) -> APIError:
+    """pydantic's first error as a 400 naming the field, e.g. `messages[0].role`; a body
+    that is not JSON at all names no field."""
+    err = exc.errors()[0]
+    loc = [p for p in err.get("loc", ()) if p != "body"]
+    if err.get("type") == "json_invalid":
+        return bad_request(None, f"malformed JSON body: {err.get('msg')}", code="invalid_json")
+    param = None
+    for part in loc:
+        if isinstance(part, int):
+            param = f"{param}[{part}]"
+        elif part.isidentifier() and part not in _TYPE_NAMES:
+            param = part if param is None else f"{param}.{part}"
+        else:
+            break  # pydantic names the union arm it tried (`str`, `list[int]`): the field ends here
+    message = f"{param}: {err.get('msg')}" if param else str(err.get("msg"))
+    return bad_request(param, message)
+
+
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "function-after"})
+
+
+async def _next(gen: Generation, timer: RequestTimer) -> StreamChunk | None:
+    chunk = await gen.next()
+    if chunk is not None:
+        timer.chunk(len(chunk.token_ids))
+    return chunk
+
+
+async def _rest(gen: Generation, chunk: StreamChunk, timer: RequestTimer) -> GenerationResult:
+    while chunk.result is None:
+        chunk = await _next(gen, timer)
+        if chunk is None:
+            raise APIError(500, "the generation ended without a result", type="server_error")
+    return chunk.result
+
+
+async def _race(request: Request, awaitable) -> object:
+    """`awaitable`'s result, or _ClientGone as soon as the HTTP client disconnects."""
+    task = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    raise _ClientGone
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _sse(gen: Generation, first: StreamChunk, builder: ResponseBuilder,
+               timer: RequestTimer) -> AsyncIterator[str]:
+    """One `data: {json}` event per body, then `data: [DONE]`. A disconnect cancels this
+    generator at its await (Starlette watches the connection), which cancels the generation."""
+    result, reason = None, "abort"
+    try:
+        for body in builder.start():
+            yield _event(body)
+        chunk: StreamChunk | None = first
+        while chunk is not None:
+            for body in builder.chunks(chunk):
+                yield _event(body)
+            result = chunk.result or result
+            chunk = await _next(gen, timer) if result is None else None
+    except APIError as exc:  # after the 200: the error travels in the stream, as vLLM does
+        reason = "error"
+        log.warning("stream id=%s failed: %s", builder.id, exc.message)
+        yield _event(exc.body())
+    finally:
+        gen.cancel()
+        _finish(timer, builder, result, reason)
+    yield "data: [DONE]\n\n"
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+def _finish(timer: RequestTimer, builder: ResponseBuilder, result: GenerationResult | None,
+            reason: str | None = None) -> None:
+    timer.finish(builder.prompt_tokens, result, reason)
+    if result is None:
+        log.info("request id=%s endpoint=%s prompt_tokens=%d completion_tokens=%d finish=%s ms=%.0f", builder.id,
+                 timer.endpoint, builder.prompt_tokens, timer.tokens, reason,
+                 1000 * (time.perf_counter() - timer.start))
+    else:
+        log.info("request id=%s endpoint=%s prompt_tokens=%d completion_tokens=%d finish=%s ms=%.0f rounds=%d "
+                 "drafts=%d accepted=%d", builder.id, timer.endpoint, builder.prompt_tokens, len(result.token_ids),
+                 result.finish_reason, 1000 * (time.perf_counter() - timer.start), result.num_rounds,
+                 result.num_draft_tokens, result.num_accepted_tokens)
+
+
+class _FrontDoor:
+    """Pure ASGI (a BaseHTTPMiddleware would buffer streams and hide disconnects): checks the
+    API key of /v1/* before the body is read, and counts every answer by endpoint and status."""
+
+    def __init__(self, app, api_key: str | None, metrics: GatewayMetrics) -> None:
+        self.app, self.metrics = app, metrics
+        self._key_digest = hashlib.sha256(api_key.encode()).digest() if api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        endpoint = path if path in _ENDPOINTS else "other"
+        status = {"code": 500}
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            if self._key_digest is not None and path.startswith("/v1") and not self._authorized(scope):
+                err = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                               code="invalid_api_key")
+                response = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, counting_send)
+                return
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+
+    def _authorized(self, scope) -> bool:
+        given = b""
+        for key, value in scope.get("headers", ()):
+            if key == b"authorization" and value[:7].lower() == b"bearer ":
+                given = value[7:].strip()
+        # Constant time over fixed-length digests: neither the key nor its length leaks.
+        return hmac.compare_digest(hashlib.sha256(given).digest(), self._key_digest)

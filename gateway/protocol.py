@@ -1,0 +1,333 @@
+"""The OpenAI wire format: request bodies (pydantic), the error shape, and the response /
+stream-chunk bodies built from the client's StreamChunk / GenerationResult.
+
+Request fields map onto SamplingParams by the same names (vLLM's), so `SamplingParams`
+stays the one place that validates them: its InvalidArgument names the field, which
+becomes the error's `param`. What OpenAI defines and this server does not do (n > 1,
+best_of, echo, suffix, logit_bias, tools, structured output) is refused with 400 naming
+the field, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from client.speculative import GenerationResult, StreamChunk
+from specdec.errors import InvalidArgument
+from specdec.sampling import SamplingParams
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+class APIError(Exception):
+    """An error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(param: str | None, message: str, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# ---- requests -------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share: OpenAI's, then vLLM's extras."""
+
+    model_config = ConfigDict(extra="ignore")  # `user`, `metadata`, `store`, ...: no effect on generation
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    def refuse_unsupported(self) -> None:
+        if self.n not in (None, 1):
+            raise bad_request("n", f"only n=1 is supported, got {self.n}")
+        if self.logit_bias:
+            raise bad_request("logit_bias", "logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options", "stream_options needs stream=true")
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise bad_request("echo", "echo is not supported")
+        if self.suffix:
+            raise bad_request("suffix", "suffix is not supported")
+        if self.best_of not in (None, 1):
+            raise bad_request("best_of", f"only best_of=1 is supported, got {self.best_of}")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt: a string or token ids (a list of one of them is accepted)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise bad_request("prompt", f"one prompt per request is supported, got {len(prompt)}")
+            prompt = prompt[0]
+        if not prompt:
+            raise bad_request("prompt", "the prompt is empty")
+        return prompt
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id: passed to the template
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.tools:
+            raise bad_request("tools", "tool calling is not supported")
+        if self.tool_choice not in (None, "none"):
+            raise bad_request("tool_choice", "tool calling is not supported")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise bad_request("response_format", f"response_format {self.response_format.type!r} is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs", "top_logprobs needs logprobs=true")
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The conversation as the chat template takes it: text content only."""
+        out = []
+        for i, m in enumerate(self.messages):
+            content = m.content
+            if isinstance(content, list):
+                if any(p.type != "text" for p in content):
+                    raise bad_request(f"messages[{i}].content", "only text content parts are supported")
+                content = "".join(p.text or "" for p in content)
+            msg = {**(m.model_extra or {}), "role": "system" if m.role == "developer" else m.role,
+                   "content": content or ""}
+            out.append(msg)
+        return out
+
+
+# ---- requests -> SamplingParams ---------------------------------------------------------------
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_tokens: int,
+                    max_context: int) -> SamplingParams:
+    """The request's SamplingParams; 400 naming the field for a bad value, or when the prompt
+    plus max_tokens does not fit the verifier's context (as vLLM words it)."""
+    chat = isinstance(req, ChatCompletionRequest)
+    prompt_field = "messages" if chat else "prompt"
+    max_field, max_tokens = "max_tokens", req.max_tokens
+    if chat and req.max_completion_tokens is not None:
+        max_field, max_tokens = "max_completion_tokens", req.max_completion_tokens
+    if prompt_tokens >= max_context:
+        raise bad_request(prompt_field, f"This model's maximum context length is {max_context} tokens. However, your "
+                                        f"{prompt_field} has {prompt_tokens} tokens, which leaves no room for a "
+                                        "completion.", code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = max_context - prompt_tokens if chat else DEFAULT_COMPLETION_MAX_TOKENS
+    elif prompt_tokens + max_tokens > max_context:
+        raise bad_request(max_field, f"This model's maximum context length is {max_context} tokens. However, you "
+                                     f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
+                                     f"{prompt_field}, {max_tokens} in the completion). Please reduce the length of "
+                                     f"the {prompt_field} or {max_field}.", code="context_length_exceeded")
+    if chat:
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        logprobs_field = "top_logprobs"
+    else:
+        logprobs, logprobs_field = req.logprobs, "logprobs"
+    values = {
+        "max_tokens": max_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "seed": req.seed,
+        "stop": req.stop,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "top_k": None if req.top_k is None else max(req.top_k, 0),  # vLLM: -1 (or 0) disables top-k
+        "min_p": req.min_p,
+        "min_tokens": req.min_tokens,
+        "repetition_penalty": req.repetition_penalty,
+        "ignore_eos": req.ignore_eos,
+        "stop_token_ids": req.stop_token_ids,
+        "logprobs": logprobs,
+    }
+    fields = {"max_tokens": max_field, "logprobs": logprobs_field}
+    try:
+        return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+    except InvalidArgument as exc:
+        name = fields.get(exc.field, exc.field)
+        raise bad_request(name, f"{name}: {str(exc).split(': ', 1)[1]}") from None
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def speculative(result: GenerationResult) -> dict:
+    """The speculative counters of one generation (an extra field; `usage` stays OpenAI's)."""
+    return {"num_rounds": result.num_rounds, "num_draft_tokens": result.num_draft_tokens,
+            "num_accepted_tokens": result.num_accepted_tokens, "acceptance_rate": result.acceptance_rate,
+            "draft_time_s": result.draft_time_s, "verify_time_s": result.verify_time_s}
+
+
+@dataclass
+class ResponseBuilder:
+    """Builds one request's bodies: the non-streamed response, or its SSE chunks in order.
+
+    Stream order (as OpenAI): [chat: a role chunk] · a chunk per round that produced text ·
+    a chunk with finish_reason (and the speculative counters) · [include_usage: a chunk with
+    empty choices and usage; every chunk before it carries "usage": null]."""
+
+    chat: bool
+    model: str
+    prompt_tokens: int
+    decode: Any  # token id -> its text
+    include_usage: bool = False
+    logprobs: bool = False
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+    hold: int = 0  # characters held back while streaming: the longest stop string's length - 1
+    _offset: int = 0  # text_offset of the next completion logprob
+    _streamed: str = ""  # the client's text so far
+    _emitted: int = 0  # characters of it sent
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+    def response(self, result: GenerationResult) -> dict:
+        lp = self._logprobs(result.logprobs) if self.logprobs else None
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text, "refusal": None},
+                      "logprobs": lp, "finish_reason": result.finish_reason}
+        else:
+            choice = {"index": 0, "text": result.text, "logprobs": lp, "finish_reason": result.finish_reason}
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "system_fingerprint": None, "choices": [choice],
+                "usage": usage(self.prompt_tokens, len(result.token_ids)), "speculative": speculative(result)}
+
+    def start(self) -> list[dict]:
+        return [self._chunk({"role": "assistant", "content": ""}, None)] if self.chat else []
+
+    def chunks(self, chunk: StreamChunk) -> list[dict]:
+        """The SSE bodies for one round's chunk (none for a round whose text is held back).
+
+        With stop strings the last `hold` characters wait for the next round: a stop string
+        that the next round completes may begin in them, and the final text is cut before it
+        (as vLLM holds back text that could start a stop string). The last chunk sends the
+        final text's rest, so the chunks always concatenate to the non-streamed text."""
+        out = []
+        self._streamed += chunk.text
+        result = chunk.result
+        if result is None:
+            text = self._streamed[self._emitted:max(self._emitted, len(self._streamed) - self.hold)]
+        else:
+            text = result.text[self._emitted:]
+        self._emitted += len(text)
+        lp = self._logprobs(chunk.logprobs) if self.logprobs and chunk.logprobs else None
+        if text or lp:
+            out.append(self._chunk({"content": text} if self.chat else text, None, lp))
+        if result is not None:
+            last = self._chunk({} if self.chat else "", result.finish_reason)
+            last["speculative"] = speculative(result)
+            out.append(last)
+            if self.include_usage:
+                out.append(self._envelope([], usage(self.prompt_tokens, len(result.token_ids))))
+        return out
+
+    def _chunk(self, delta: dict | str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+        choice = {"index": 0, "delta" if self.chat else "text": delta, "logprobs": logprobs,
+                  "finish_reason": finish_reason}
+        return self._envelope([choice], None)
+
+    def _envelope(self, choices: list, usage_: dict | None) -> dict:
+        body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "system_fingerprint": None, "choices": choices}
+        if self.include_usage:
+            body["usage"] = usage_
+        return body
+
+    def _logprobs(self, entries: list[dict] | None) -> dict | None:
+        """The client's per-token entries ({token_id, logprob, rank, top_logprobs: {id: lp}})
+        in the endpoint's shape: chat's `content` list, or completions' parallel lists."""
+        if entries is None:
+            return None
+        if self.chat:
+            def item(tok: int, lp: float) -> dict:
+                text = self.decode(tok)
+                return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+            return {"content": [{**item(e["token_id"], e["logprob"]),
+                                 "top_logprobs": [item(t, v) for t, v in e["top_logprobs"].items()]}
+                                for e in entries], "refusal": None}
+        tokens = [self.decode(e["token_id"]) for e in entries]
+        offsets = []
+        for text in tokens:
+            offsets.append(self._offset)
+            self._offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{self.decode(t): v for t, v in e["top_logprobs"].items()} for e in entries],
+                "text_offset": offsets}
+
+
+def models_list(names: list[str], root: str, max_context: int, created: int) -> dict:
+    return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "specdec",
+                                        "root": root, "max_model_len": max_context} for n in names]}

@@ -1,0 +1,48 @@
+"""Run the gateway under uvicorn on a socket bound here, so that port 0 works (tests, the
+local launcher) and the line `gateway listening on HOST:PORT` names the port bound."""
+
+from __future__ import annotations
+
+import socket
+
+import uvicorn
+
+from gateway.app import GatewayConfig, create_app
+from gateway.upstream import Upstream
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, announce: str) -> None:
+        super().__init__(config)
+        self._announce = announce
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:  # accepting connections now (the lifespan started the upstream connection)
+            print(self._announce, flush=True)
+
+
+def serve(config: GatewayConfig, host: str = "127.0.0.1", port: int = 8000, *, grace_s: float = 5.0,
+          ssl_certfile: str | None = None, ssl_keyfile: str | None = None, log_level: str = "info",
+          upstream: Upstream | None = None) -> None:
+    """Serve until SIGINT / SIGTERM; then stop accepting, let requests in flight finish for
+    up to grace_s, cancel the rest (closing their upstream sessions) and exit. `upstream`:
+    another client behind the app (default: a SpeculativeClient from config.upstream)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto=IPPROTO_TCP, as getaddrinfo would give: asyncio sets TCP_NODELAY on accepted connections
+    # only for such sockets, and without it Nagle holds each response body back for the client's
+    # delayed ACK (~40 ms per request).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    bound = sock.getsockname()[1]
+    uv_config = uvicorn.Config(create_app(config, upstream), log_level=log_level.lower(),
+                               timeout_graceful_shutdown=grace_s,
+                               ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, access_log=False,
+                               log_config=None)  # uvicorn logs through the root logger: one format
+    scheme = "https" if ssl_certfile else "http"
+    names = ",".join(config.served_model_names) or "(the verifier's)"
+    announce = (f"gateway listening on {host}:{bound} url={scheme}://{host}:{bound}/v1 "
+                f"verifier={config.upstream.verifier} "
+                f"drafter={config.upstream.drafter} model={names} auth={config.api_key is not None}")
+    _Server(uv_config, announce).run(sockets=[sock])

@@ -1,0 +1,247 @@
+"""The speculative client behind the gateway, and how the event loop drives it.
+
+One `SpeculativeClient` (its channels and server pools) serves every request of the
+process: its pools are locked, each generation's rounds keep their state in local
+variables, and concurrent generations only read its tokenizer to decode (what `bench
+serve`'s threads already do). Encoding goes through one lock here, because a fast
+tokenizer's Rust object may refuse concurrent calls that touch its settings.
+
+The client is synchronous gRPC, so each generation runs on a worker thread of a bounded
+pool (`max_concurrent_requests`; more requests wait for a thread) and hands its chunks to
+the event loop through an asyncio queue. Cancelling a `Generation` (the HTTP client went
+away) stops its thread after the round in flight and closes the generator, whose
+`finally` closes both upstream sessions at once instead of leaving them to the TTL.
+
+The upstream may be down when the gateway starts (compose restarts, a verifier still
+loading): `connect_forever` keeps trying in the background; until it succeeds the API
+answers 503 and /health says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import anyio
+import grpc
+
+from client.speculative import IncompatibleModels, SpeculativeClient, StreamChunk
+from gateway.protocol import APIError
+from specdec.sampling import SamplingParams
+from specdec_rpc import specdec_pb2 as pb
+
+log = logging.getLogger("specdec.gateway")
+
+_CONNECT_RETRY_S = (0.5, 10.0)  # backoff of the background connection attempts: first, longest
+HEALTH_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class UpstreamConfig:
+    verifier: str  # HOST:PORT, or a comma-separated pool
+    drafter: str | None = None
+    num_speculative_tokens: int | str = "auto"
+    fanout: int = 0
+    timeout_s: float = 60.0
+    recovery_timeout_s: float = 10.0
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    auth_token: str | None = None
+    max_concurrent_requests: int = 64
+
+
+def upstream_error(exc: BaseException) -> APIError:
+    """What an upstream failure means to the HTTP client: the verifier unreachable (or
+    full) is 503, a request the services refused is 400, anything else 500."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, grpc.RpcError):
+        code = exc.code()
+        message = f"upstream {code.name}: {exc.details()}"
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED):
+            return APIError(503, message, type="service_unavailable", code="upstream_unavailable")
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+            return APIError(400, message)
+        return APIError(500, message, type="server_error", code="upstream_error")
+    if isinstance(exc, IncompatibleModels):
+        return APIError(503, str(exc), type="service_unavailable", code="upstream_incompatible")
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc))
+    return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error")
+
+
+_END = object()
+
+
+@dataclass(eq=False)
+class Generation:
+    """One request's generation on a worker thread; its chunks arrive through `next()`."""
+
+    loop: asyncio.AbstractEventLoop
+    _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self, client: SpeculativeClient, prompt_ids: list[int], params: SamplingParams,
+            gamma: int | str, fanout: int) -> None:
+        """The worker thread's body."""
+        if self._stop.is_set():  # cancelled while it waited for a thread
+            self._put(_END)
+            return
+        stream = client.stream(prompt_ids, params, num_speculative_tokens=gamma, fanout=fanout)
+        try:
+            for chunk in stream:
+                if self._stop.is_set():
+                    break
+                self._put(chunk)
+        except Exception as exc:  # noqa: BLE001 - handed to the request's task
+            self._put(exc)
+        finally:
+            stream.close()  # the generator's finally closes both sessions now
+            self._put(_END)
+
+    async def next(self) -> StreamChunk | None:
+        """The next round's chunk; None after the last one. Raises the generation's error."""
+        item = await self._queue.get()
+        if item is _END:
+            self._queue.put_nowait(_END)  # later calls see the end too
+            return None
+        if isinstance(item, BaseException):
+            raise upstream_error(item)
+        return item
+
+    def cancel(self) -> None:
+        """Stop after the round in flight; the worker closes the upstream sessions."""
+        self._stop.set()
+
+    def _put(self, item: object) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the gateway is shutting down, nobody reads
+            pass
+
+
+class Upstream:
+    def __init__(self, config: UpstreamConfig,
+                 client_factory: Callable[[UpstreamConfig], SpeculativeClient] | None = None) -> None:
+        self.config = config
+        self.client: SpeculativeClient | None = None
+        self.last_error: str | None = "not connected yet"
+        self._factory = client_factory or _make_client
+        self._encode_lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=config.max_concurrent_requests,
+                                            thread_name_prefix="gateway-gen")
+        self._generations: set[Generation] = set()
+
+    # ---- connection ---------------------------------------------------------------------------
+
+    async def connect_forever(self) -> None:
+        """Try to build the client until it works (backoff 0.5 s doubling to 10 s)."""
+        delay = _CONNECT_RETRY_S[0]
+        while self.client is None:
+            try:
+                self.client = await anyio.to_thread.run_sync(self._factory, self.config)
+            except Exception as exc:  # noqa: BLE001 - logged, reported by /health, retried
+                detail = (f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError)
+                          else f"{type(exc).__name__}: {exc}")
+                if self.last_error != detail:
+                    log.warning("upstream not ready (verifier=%s drafter=%s): %s; retrying", self.config.verifier,
+                                self.config.drafter, detail)
+                self.last_error = detail
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, _CONNECT_RETRY_S[1])
+                continue
+            self.last_error = None
+            info = self.client.verifier_info
+            log.info("upstream ready verifier=%s model=%s max_context=%d drafter=%s", self.config.verifier,
+                     info.model, info.max_context, self.config.drafter)
+
+    def require(self) -> SpeculativeClient:
+        if self.client is None:
+            raise APIError(503, f"the upstream verifier is not reachable yet: {self.last_error}",
+                           type="service_unavailable", code="upstream_unavailable")
+        return self.client
+
+    async def health(self) -> tuple[bool, dict]:
+        """(whether some verifier answers now, per-server detail). Drafters are reported but
+        do not decide: without them generations continue target-only."""
+        if self.client is None:
+            return False, {"status": "connecting", "error": self.last_error}
+        client = self.client
+
+        def probe(pool) -> dict[str, str]:
+            calls = [(s.address, s.stub.GetModelInfo.future(pb.ModelInfoRequest(), timeout=HEALTH_TIMEOUT_S))
+                     for s in pool.servers]
+            out = {}
+            for address, call in calls:
+                try:
+                    call.result()
+                    out[address] = "up"
+                except grpc.RpcError as exc:
+                    out[address] = exc.code().name
+            return out
+
+        def probe_all() -> dict:
+            detail = {"verifiers": probe(client.verifiers)}
+            if client.drafters is not None:
+                detail["drafters"] = probe(client.drafters)
+            return detail
+
+        detail = await anyio.to_thread.run_sync(probe_all)
+        ok = "up" in detail["verifiers"].values()
+        degraded = "drafters" in detail and "up" not in detail["drafters"].values()
+        detail["status"] = "unavailable" if not ok else "degraded" if degraded else "ok"
+        return ok, detail
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    async def encode(self, prompt: str | Sequence[int] | None = None, messages: list[dict] | None = None) -> list[int]:
+        client = self.require()
+
+        def encode() -> list[int]:
+            with self._encode_lock:
+                if messages is not None:
+                    return client.encode_chat(messages)
+                return client.encode_prompt(prompt)
+
+        try:
+            return await anyio.to_thread.run_sync(encode)
+        except Exception as exc:  # e.g. a chat template that refuses the roles' order
+            param = "messages" if messages is not None else "prompt"
+            raise APIError(400, f"{param} could not be tokenized: {exc}", param=param) from exc
+
+    def decode_token(self, token_id: int) -> str:
+        return self.require().tokenizer.decode([token_id])
+
+    def start(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        """Queue a generation on the worker pool; read it with `next()`, `cancel()` when done."""
+        client = self.require()
+        gen = Generation(asyncio.get_running_loop())
+        self._generations.add(gen)
+        gamma = self.config.num_speculative_tokens if client.drafters is not None else 0  # no drafter: target-only
+        future = self._executor.submit(gen.run, client, prompt_ids, params, gamma, self.config.fanout)
+        future.add_done_callback(lambda _: self._generations.discard(gen))
+        return gen
+
+    def running(self) -> int:
+        return len(self._generations)
+
+    def close(self) -> None:
+        """Stop every generation after its round (closing its sessions), then the channels."""
+        for gen in list(self._generations):
+            gen.cancel()
+        self._executor.shutdown(wait=True, cancel_futures=False)
+        if self.client is not None:
+            self.client.close()
+
+
+def _make_client(config: UpstreamConfig) -> SpeculativeClient:
+    return SpeculativeClient(config.verifier, drafter=config.drafter, timeout_s=config.timeout_s,
+                             num_speculative_tokens=config.num_speculative_tokens, tls_ca=config.tls_ca,
+                             tls_cert=config.tls_cert, tls_key=config.tls_key, auth_token=config.auth_token,
+                             recovery_timeout_s=config.recovery_timeout_s, fanout=config.fanout)

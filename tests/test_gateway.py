@@ -1,0 +1,403 @@
+"""The OpenAI-compatible gateway as a real process in front of real drafter / verifier
+processes, driven by the official `openai` package (and raw HTTP where the SDK cannot
+send what is tested: malformed JSON, a missing key)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.serve import server_stats
+from cli import main
+from client.launcher import start_gateway, start_service
+from client.speculative import GenerationResult, StreamChunk
+from gateway.protocol import ResponseBuilder
+from tests.conftest import wait_for
+
+API_KEY = "test-gateway-key"
+PROMPT = "Why is the sky blue? Answer in one sentence."
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def gateway(verifier_proc, drafter_proc):
+    # The key comes from the environment, as in a container.
+    with start_gateway(verifier_proc.address, drafter_proc.address, ["--log-level", "WARNING"],
+                       env={"SPECDEC_GATEWAY_API_KEY": API_KEY}) as gw:
+        yield gw
+    assert not any("Traceback" in line for line in gw.output), gw.output[-30:]
+
+
+@pytest.fixture(scope="module")
+def base_url(gateway) -> str:
+    return f"http://{gateway.address}"
+
+
+@pytest.fixture(scope="module")
+def oai(base_url):
+    with openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(oai) -> str:
+    return oai.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from specdec.models import ModelSpec, load_tokenizer
+
+    return load_tokenizer(ModelSpec(model="embedded"))
+
+
+@pytest.fixture(scope="module")
+def cli_generation(verifier_proc, drafter_proc) -> dict:
+    """`specdec generate --chat --json`, greedy, the parameters the chat tests use."""
+    out = subprocess.run(
+        [sys.executable, "-m", "cli", "generate", "--drafter", drafter_proc.address, "--verifier",
+         verifier_proc.address, "--prompt", PROMPT, "--chat", "--max-tokens", str(MAX_TOKENS), "--temperature", "0",
+         "--json"], capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def chat_reply(oai, model):
+    return oai.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
+                                       max_tokens=MAX_TOKENS, temperature=0)
+
+
+def _chat_stream(oai, model, **kwargs) -> list:
+    return list(oai.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
+                                            max_tokens=MAX_TOKENS, temperature=0, stream=True, **kwargs))
+
+
+def _live_sessions(*services) -> list[int]:
+    return [server_stats(s.address, s.role)["live_sessions"] for s in services]
+
+
+# ---- output ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_greedy_chat_completion_equals_specdec_generate_chat(chat_reply, cli_generation):
+    choice = chat_reply.choices[0]
+    assert chat_reply.object == "chat.completion" and chat_reply.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant"
+    assert choice.message.content == cli_generation["text"] != ""
+    assert choice.finish_reason == cli_generation["finish_reason"]
+
+
+@pytest.mark.slow
+def test_usage_counts_match_the_token_ids(chat_reply, cli_generation, tokenizer):
+    templated = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                              tokenize=True)
+    templated = templated["input_ids"] if hasattr(templated, "keys") else templated
+    usage = chat_reply.usage
+    assert usage.prompt_tokens == len(templated) == len(cli_generation["prompt_token_ids"])
+    assert usage.completion_tokens == len(cli_generation["token_ids"])
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    # The speculative counters ride in an extra field.
+    spec = chat_reply.model_extra["speculative"]
+    assert 0 < spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+    assert spec["acceptance_rate"] == pytest.approx(spec["num_accepted_tokens"] / spec["num_draft_tokens"])
+
+
+@pytest.mark.slow
+def test_streamed_chat_chunks_concatenate_to_the_non_streamed_text(oai, model, chat_reply):
+    chunks = _chat_stream(oai, model, stream_options={"include_usage": True})
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert {c.id for c in chunks} == {chunks[0].id} and chunks[0].object == "chat.completion.chunk"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat_reply.choices[0].message.content
+    finished = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finished == [chat_reply.choices[0].finish_reason]
+    # include_usage: one last chunk with no choices and the usage of the whole completion.
+    assert chunks[-1].choices == [] and chunks[-1].usage == chat_reply.usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+@pytest.mark.slow
+def test_streamed_completion_chunks_concatenate_to_the_non_streamed_text(oai, model):
+    kwargs = dict(model=model, prompt="The three primary colors are", max_tokens=MAX_TOKENS, temperature=0)
+    whole = oai.completions.create(**kwargs)
+    chunks = list(oai.completions.create(stream=True, **kwargs))
+    assert whole.object == "text_completion" and whole.id.startswith("cmpl-")
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text != ""
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+@pytest.mark.slow
+def test_seed_reproduces_a_sampled_completion(oai, model):
+    def sample(seed: int) -> str:
+        return oai.completions.create(model=model, prompt="Once upon a time", max_tokens=12, temperature=1.0,
+                                      seed=seed).choices[0].text
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert len({first, sample(1), sample(2)}) > 1  # and the seed is what fixes it
+
+
+@pytest.mark.slow
+def test_logprobs_are_returned_per_token_in_the_chat_shape(oai, model):
+    reply = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=6,
+                                        temperature=0, logprobs=True, top_logprobs=2)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.logprob <= 0.0
+        assert entry.logprob == pytest.approx(max(t.logprob for t in entry.top_logprobs))  # greedy: the argmax
+
+
+# ---- errors ----------------------------------------------------------------------------------
+
+
+def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusError:
+    messages = [{"role": "user", "content": "hi"}]
+    if case == "malformed JSON":
+        return httpx.post(f"{base_url}/v1/chat/completions", content=b'{"model": "x", "messages": [',
+                          headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    if case == "missing key":
+        return httpx.post(f"{base_url}/v1/chat/completions", json={"model": model, "messages": messages})
+    client = oai if case != "wrong key" else openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0)
+    kwargs = {"unknown model": {"model": "no-such-model"}, "n=2": {"n": 2}, "temperature=-1": {"temperature": -1},
+              "max_tokens past the context": {"max_tokens": 4096}, "wrong key": {}}[case]
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(**{"model": model, "messages": messages, "max_tokens": 2, **kwargs})
+    return info.value
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,status,param,code", [
+    ("unknown model", 404, "model", "model_not_found"),
+    ("n=2", 400, "n", None),
+    ("temperature=-1", 400, "temperature", None),
+    ("max_tokens past the context", 400, "max_tokens", "context_length_exceeded"),
+    ("malformed JSON", 400, None, "invalid_json"),
+    ("wrong key", 401, None, "invalid_api_key"),
+    ("missing key", 401, None, "invalid_api_key"),
+])
+def test_bad_request_gets_its_status_and_openai_error_body_and_the_gateway_keeps_serving(
+        oai, model, base_url, case, status, param, code):
+    reply = _bad(oai, model, base_url, case)
+    assert reply.status_code == status
+    error = reply.response.json() if isinstance(reply, openai.APIStatusError) else reply.json()
+    assert set(error) == {"error"} and set(error["error"]) == {"message", "type", "param", "code"}
+    assert (error["error"]["param"], error["error"]["code"]) == (param, code)
+    assert error["error"]["message"]
+    after = oai.completions.create(model=model, prompt="Hello", max_tokens=2, temperature=0)
+    assert after.choices[0].finish_reason == "length" and after.usage.completion_tokens == 2
+
+
+@pytest.mark.slow
+def test_unreachable_upstream_is_503_on_health_and_api():
+    with start_service("gateway", ["--verifier", "127.0.0.1:1", "--log-level", "ERROR"]) as gw:
+        url = f"http://{gw.address}"
+        assert httpx.get(f"{url}/health").status_code == 503
+        reply = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert reply.status_code == 503
+        assert reply.json()["error"]["code"] == "upstream_unavailable"
+        assert httpx.get(f"{url}/health").status_code == 503  # still serving
+
+
+# ---- operations ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_client_disconnect_mid_stream_closes_its_upstream_sessions(oai, model, verifier_proc, drafter_proc):
+    baseline = _live_sessions(verifier_proc, drafter_proc)
+    # Long enough to run for a minute if nothing stopped it.
+    stream = oai.completions.create(model=model, prompt="Count from one to one thousand:", max_tokens=1000,
+                                    temperature=0, stream=True, extra_body={"ignore_eos": True})
+    received = 0
+    for chunk in stream:
+        received += bool(chunk.choices and chunk.choices[0].text)
+        if received == 2:
+            break
+    assert _live_sessions(verifier_proc, drafter_proc) == [n + 1 for n in baseline]
+    stream.close()
+    t0 = time.monotonic()
+    wait_for(lambda: _live_sessions(verifier_proc, drafter_proc) == baseline, 15.0, "sessions closed")
+    assert time.monotonic() - t0 < 15.0
+
+
+@pytest.fixture(scope="module")
+def target_only_gateway(verifier_proc):
+    with start_gateway(verifier_proc.address, None, ["--log-level", "WARNING"]) as gw:
+        yield f"http://{gw.address}"
+
+
+CONCURRENT_PROMPTS = [f"{animal} are" for animal in ("Apples", "Bears", "Cats", "Dogs", "Eagles", "Frogs", "Goats",
+                                                      "Horses", "Ibises", "Jaguars", "Koalas", "Lions", "Mice",
+                                                      "Newts", "Owls", "Pigs")]
+
+
+async def _complete(client: openai.AsyncOpenAI, prompt: str, stream: bool) -> tuple[str, float]:
+    """(text, seconds) of one greedy completion."""
+    t0 = time.perf_counter()
+    kwargs = dict(model=(await client.models.list()).data[0].id, prompt=prompt, max_tokens=8, temperature=0,
+                  extra_body={"ignore_eos": True})
+    if not stream:
+        return (await client.completions.create(**kwargs)).choices[0].text, time.perf_counter() - t0
+    text = ""
+    async for chunk in await client.completions.create(stream=True, **kwargs):
+        text += chunk.choices[0].text if chunk.choices else ""
+    return text, time.perf_counter() - t0
+
+
+async def _concurrently(base_url: str, api_key: str, solo_first: bool, verifier_address: str) -> dict:
+    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, timeout=300) as c:
+        solo = [await _complete(c, p, stream=False) for p in CONCURRENT_PROMPTS] if solo_first else []
+        before = server_stats(verifier_address, "verifier")
+        t0 = time.perf_counter()
+        together = await asyncio.gather(*(_complete(c, p, stream=True) for p in CONCURRENT_PROMPTS))
+        wall = time.perf_counter() - t0
+        after = server_stats(verifier_address, "verifier")
+    return {"solo": solo, "together": together, "wall": wall,
+            "mean_batch": (after["requests"] - before["requests"]) / (after["batches"] - before["batches"])}
+
+
+@pytest.fixture(scope="module")
+def solo_outputs(target_only_gateway, verifier_proc) -> dict:
+    """16 greedy requests one at a time, then the same 16 as concurrent streams, target-only."""
+    return asyncio.run(_concurrently(target_only_gateway, "unused", True, verifier_proc.address))
+
+
+@pytest.mark.slow
+def test_sixteen_concurrent_streams_each_equal_their_solo_output_in_well_under_16x_one(solo_outputs):
+    """Target-only decoding is where a front end that serialized requests would show (16x one
+    request) against one that runs them at once (the verifier batches them: ~3x on this CPU).
+    Speculative requests below: on a CPU their verify of γ+1 tokens each is compute-bound, so
+    batching 16 of them saves little whatever the front end does (the gRPC client alone takes
+    ~9-13x one request there)."""
+    run = solo_outputs
+    assert [text for text, _ in run["together"]] == [text for text, _ in run["solo"]]
+    assert len({text for text, _ in run["solo"]}) > 8  # distinct outputs: a mixed-up stream would show
+    one_request = statistics.median(seconds for _, seconds in run["solo"])
+    assert run["wall"] < 8 * one_request, f"16 concurrent took {run['wall']:.1f} s, one alone {one_request:.2f} s"
+    assert run["mean_batch"] > 4  # they overlapped upstream
+
+
+@pytest.mark.slow
+def test_sixteen_concurrent_speculative_streams_equal_the_solo_outputs_and_overlap_upstream(
+        base_url, verifier_proc, solo_outputs):
+    run = asyncio.run(_concurrently(base_url, API_KEY, False, verifier_proc.address))
+    # Greedy speculative decoding emits the target's tokens: each equals its solo (target-only) output.
+    assert [text for text, _ in run["together"]] == [text for text, _ in solo_outputs["solo"]]
+    assert run["mean_batch"] > 1.5  # rounds of different requests shared the verifier's forwards
+
+
+@pytest.mark.slow
+def test_responses_are_not_held_back_by_nagle(base_url):
+    """Without TCP_NODELAY on the gateway's connections each response body waits for the
+    client's delayed ACK: ~40 ms per request instead of ~1."""
+    with httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        http.get("/v1/models")
+        times = []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            http.get("/v1/models").raise_for_status()
+            times.append(time.perf_counter() - t0)
+    assert statistics.median(times) < 0.025, times
+
+
+@pytest.mark.slow
+def test_metrics_count_requests_tokens_and_drafts(oai, model, base_url):
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{base_url}/metrics").text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out[s.name + json.dumps(s.labels, sort_keys=True)] = s.value
+        return out
+
+    before = scrape()
+    reply = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                        temperature=0)
+    after = scrape()
+
+    def delta(name: str, **labels) -> float:
+        key = name + json.dumps(labels, sort_keys=True)
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("specdec_gateway_requests_total", endpoint="/v1/chat/completions", status="200") == 1
+    assert delta("specdec_gateway_time_to_first_token_seconds_count", endpoint="/v1/chat/completions") == 1
+    assert delta("specdec_gateway_e2e_request_latency_seconds_count", endpoint="/v1/chat/completions") == 1
+    assert delta("specdec_gateway_generation_tokens_total") == reply.usage.completion_tokens
+    assert delta("specdec_gateway_prompt_tokens_total") == reply.usage.prompt_tokens
+    spec = reply.model_extra["speculative"]
+    assert delta("specdec_gateway_draft_tokens_total") == spec["num_draft_tokens"] > 0
+    assert delta("specdec_gateway_accepted_tokens_total") == spec["num_accepted_tokens"]
+
+
+# ---- the load harness through HTTP -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bench_results(base_url, verifier_proc, drafter_proc, tmp_path_factory) -> tuple:
+    out = tmp_path_factory.mktemp("bench")
+    common = ["--num-prompts", "2", "--max-tokens", "6", "--warmup-requests", "0", "--disable-tqdm"]
+    assert main(["bench", "serve", "--drafter", drafter_proc.address, "--verifier", verifier_proc.address, *common,
+                 "--result-json", str(out / "grpc.json")]) == 0
+    assert main(["bench", "serve", "--backend", "openai", "--base-url", base_url, "--api-key", API_KEY, *common,
+                 "--result-json", str(out / "gateway.json")]) == 0
+    return out / "grpc.json", out / "gateway.json"
+
+
+@pytest.mark.slow
+def test_bench_serve_openai_backend_writes_the_same_json_keys_as_grpc(bench_results):
+    grpc_res, http_res = (json.loads(p.read_text()) for p in bench_results)
+    assert set(http_res) == set(grpc_res)
+    assert set(http_res["per_category"]) == set(grpc_res["per_category"])
+    for cat, metrics in http_res["per_category"].items():
+        assert set(metrics) == set(grpc_res["per_category"][cat]), cat
+    assert [set(r) for r in http_res["per_request"]] == [set(r) for r in grpc_res["per_request"]]
+    assert (http_res["backend"], http_res["completed"], http_res["failed"]) == ("openai", 2, 0)
+    # Same prompts, same chat template, greedy: the same token counts on both paths.
+    assert http_res["total_input_tokens"] == grpc_res["total_input_tokens"] > 0
+    assert http_res["total_output_tokens"] == grpc_res["total_output_tokens"] > 0
+    assert http_res["median_ttft_ms"] > 0 and http_res["acceptance_rate"] is not None
+
+
+@pytest.mark.slow
+def test_bench_compare_results_prints_both_runs_side_by_side(bench_results, capsys):
+    assert main(["bench", "compare-results", *map(str, bench_results), "--labels", "grpc", "gateway"]) == 0
+    table = capsys.readouterr().out
+    assert "grpc" in table and "gateway" in table and "B / A" in table
+    row = next(line for line in table.splitlines() if line.startswith("total input tokens"))
+    assert row.split()[-1] == "1.00"
+    assert "same workload" in table
+
+
+# ---- stream assembly (no services) ---------------------------------------------------------------
+
+
+def _stream_text(builder: ResponseBuilder, chunks: list[StreamChunk]) -> str:
+    bodies = [b for c in chunks for b in builder.chunks(c)]
+    return "".join(b["choices"][0]["text"] for b in bodies if b["choices"])
+
+
+def test_a_stop_string_across_rounds_is_never_streamed():
+    """The client cuts the final text before a stop string that a later round completes; the
+    text streamed before that round must not already contain its beginning."""
+    result = GenerationResult(text="Hello ", token_ids=[1, 2, 3], prompt_token_ids=[0], finish_reason="stop")
+    chunks = [StreamChunk([1], "Hello wor"), StreamChunk([2, 3], "ld! More", result=result)]
+    builder = ResponseBuilder(chat=False, model="m", prompt_tokens=1, decode=str, hold=len("world") - 1)
+    assert _stream_text(builder, chunks) == "Hello " == result.text
+
+
+def test_without_stop_strings_every_round_is_streamed_at_once():
+    result = GenerationResult(text="ab cd", token_ids=[1, 2], prompt_token_ids=[0], finish_reason="length")
+    builder = ResponseBuilder(chat=False, model="m", prompt_tokens=1, decode=str)
+    first = builder.chunks(StreamChunk([1], "ab"))
+    assert [b["choices"][0]["text"] for b in first] == ["ab"]
+    assert _stream_text(builder, [StreamChunk([2], " cd", result=result)]) == " cd"
