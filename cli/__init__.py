@@ -32,8 +32,9 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--cpu-linear", default="mkl", choices=["mkl", "onednn"],
                    help="float32 CPU linears: MKL (default) or prepacked oneDNN (~2x faster decode on AMD CPUs)")
     p.add_argument("--prefill-dtype", default="auto", choices=["auto", "none", "float32", "float16", "bfloat16"],
-                   help="a second weights copy for rows of >= 3 tokens (bfloat16: ~5x faster prefill of a float16 "
-                        "model on CPU, at some acceptance); auto: bfloat16 for a float16 model on the CPU, else none")
+                   help="a second weights copy for rows of >= 3 tokens (prompts, catch-ups); auto: on a CPU, the "
+                        "dtype whose multi-row matmul measures fastest at start (e.g. float32 for a float16 drafter "
+                        "on AVX2, bfloat16 with AVX512-BF16), none on CUDA")
     p.add_argument("--quantize", default=None, choices=["int8"],
                    help="dynamic int8 quantization of the decoder layers (CPU; a low-acceptance drafter)")
     p.add_argument("--fast-path", default="auto", choices=["auto", "on", "off"],
@@ -144,8 +145,6 @@ def _serve(args: argparse.Namespace, role: str) -> int:
                         format=f"ts=%(asctime)s role={role} level=%(levelname)s logger=%(name)s %(message)s")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     prefill_dtype = args.prefill_dtype
-    if prefill_dtype == "auto":  # float16 matmuls are fast on a CPU only for one row (README: drafter dtype)
-        prefill_dtype = "bfloat16" if args.device == "cpu" and args.dtype == "float16" and not args.quantize else "none"
     spec = ModelSpec(model=args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device,
                      quantize=args.quantize, max_model_len=args.max_model_len, cpu_linear=args.cpu_linear,
                      prefill_dtype=prefill_dtype, fast_path=args.fast_path)

@@ -62,7 +62,7 @@ class ModelSpec:
     quantize: str | None = None  # "int8": dynamic int8 quantization of the decoder layers (CPU)
     max_model_len: int | None = None  # KV positions per session (vLLM's name); default min(config, 2048)
     cpu_linear: str = "mkl"  # "onednn": prepacked oneDNN float32 linears (CPU; see OneDNNLinear)
-    prefill_dtype: str = "none"  # dtype of a second weight copy for rows of >= 3 tokens; see CausalLM
+    prefill_dtype: str = "none"  # dtype of a second weight copy for rows of >= 3 tokens, or "auto"; see CausalLM
     fast_path: str = "auto"  # static slot pool + CUDA graphs (static_forward.py): auto = on for CUDA, on, off
 
     def __post_init__(self) -> None:
@@ -76,8 +76,9 @@ class ModelSpec:
             raise ValueError(f"--cpu-linear must be mkl or onednn, got {self.cpu_linear!r}")
         if self.cpu_linear == "onednn" and (self.device != "cpu" or self.dtype != "float32" or self.quantize):
             raise ValueError("--cpu-linear onednn applies to float32 models on the CPU without --quantize")
-        if self.prefill_dtype not in ("none", *DTYPES):
-            raise ValueError(f"--prefill-dtype must be none or one of {', '.join(DTYPES)}, got {self.prefill_dtype!r}")
+        if self.prefill_dtype not in ("auto", "none", *DTYPES):
+            raise ValueError(f"--prefill-dtype must be auto, none or one of {', '.join(DTYPES)}, "
+                             f"got {self.prefill_dtype!r}")
         if self.fast_path not in ("auto", "on", "off"):
             raise ValueError(f"--fast-path must be auto, on or off, got {self.fast_path!r}")
         if self.fast_path == "on" and self.quantize:
@@ -358,12 +359,41 @@ class CausalLM:
         is off by default. The choice depends on the row alone, never on its batch mates.
         """
         choice = spec.prefill_dtype
+        if choice == "auto":
+            choice = self._fastest_prefill_dtype(spec)
         if choice == "none" or choice == spec.dtype or self.slots is None or spec.quantize:
             return None
         import copy
 
         twin = copy.deepcopy(self.model).to(DTYPES[choice])
         return SlotForward(twin, self.max_context)
+
+    def _fastest_prefill_dtype(self, spec: ModelSpec) -> str:
+        """`--prefill-dtype auto`: on a CPU, time one multi-row matmul of this model's shape in its
+        own dtype, float32 and bfloat16, and prefill in the fastest (a twin only when it is 1.3x
+        faster than the model's own). CPUs differ: with AVX512-BF16, bfloat16 rows batch well;
+        on AVX2 (this project's CI host) float16 and bfloat16 cost per row and float32's GEMM
+        wins. On CUDA every dtype batches: no twin."""
+        if self.device.type != "cpu" or spec.quantize or self.slots is None:
+            return "none"
+        import time
+
+        hidden = int(self.config.hidden_size)
+        inner = int(getattr(self.config, "intermediate_size", 4 * hidden))
+        times = {}
+        for name in dict.fromkeys((spec.dtype, "float32", "bfloat16")):
+            dtype = DTYPES[name]
+            x, w = torch.randn(64, hidden, dtype=dtype), torch.randn(inner, hidden, dtype=dtype)  # a 64-token row
+            x @ w.T  # warm-up
+            start = time.perf_counter()
+            for _ in range(3):
+                x @ w.T
+            times[name] = time.perf_counter() - start
+        best = min(times, key=times.get)
+        choice = best if best != spec.dtype and times[best] * 1.3 < times[spec.dtype] else "none"
+        log.info("prefill dtype auto: %s (64-row matmul ms: %s)", choice,
+                 ", ".join(f"{k} {v / 3 * 1e3:.2f}" for k, v in times.items()))
+        return choice
 
     def new_cache(self) -> KVSlot | Any:
         if self.pool is not None:
