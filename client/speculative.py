@@ -468,8 +468,12 @@ class SpeculativeClient:
                     text, finished, result.finish_reason = text[:cut], True, "stop"
                 if not result.ttft_s:
                     result.ttft_s = now - t0
-                # Hold back an incomplete UTF-8 sequence until the next round completes it.
+                # Hold back an incomplete UTF-8 sequence until the next round completes it, and the
+                # tail that could be the start of a stop string a later round completes.
                 stable = text if finished else text.rstrip("\ufffd")
+                if not finished and stops:
+                    hold = max(map(len, stops)) - 1
+                    stable = stable[:max(len(emitted_text), len(stable) - hold)]
                 delta, emitted_text = stable[len(emitted_text):], stable
                 logprobs = result.logprobs[logprobs_from:] if result.logprobs is not None else None
                 if finished:
