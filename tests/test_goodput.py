@@ -229,33 +229,31 @@ def test_a_long_prompt_does_not_stall_the_other_sessions(capped_pair):
     assert max(gaps) < prefill / 3, f"a gap of {max(gaps):.3f} s during a {prefill:.3f} s prefill"
 
 
-def test_first_token_is_not_delayed_by_a_slow_drafter_prefill():
+def test_first_token_is_not_delayed_by_a_slow_drafter_prefill(verifier_proc, drafter_proc):
     """A drafter whose prompt prefill is slow for real (float16 multi-token rows on a CPU,
-    the bfloat16 prefill copy off): the first token is the verifier's alone, so speculative
-    TTFT stays close to target-only TTFT, though the drafter takes far longer to prefill."""
+    no float32 prefill copy: conftest's drafter): the first token is the verifier's alone, so
+    speculative TTFT stays close to target-only TTFT, though the drafter takes far longer to
+    prefill."""
     from client.speculative import SpeculativeClient
     from specdec.sampling import SamplingParams
     from specdec_rpc import specdec_pb2 as pb
 
     prompt = " ".join(["Speculative decoding drafts tokens with a small model and verifies them."] * 12)
-    with start_service("verifier", ["--log-level", "WARNING"], threads=SERVICE_THREADS) as verifier, \
-         start_service("drafter", ["--prefill-dtype", "none", "--log-level", "WARNING"],
-                       threads=SERVICE_THREADS) as drafter:
-        with SpeculativeClient(verifier.address, drafter=drafter.address) as client:
-            ids = client.encode_prompt(prompt)
-            params = SamplingParams(temperature=0, max_tokens=8)
-            client.generate(ids, params.replace(max_tokens=2))  # warm-up
-            # The drafter's own prefill of this prompt, timed alone (the power of the check below).
-            stub = client.drafter
-            sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
-            t = time.perf_counter()
-            stub.Draft(pb.DraftRequest(session_id=sid, append_token_ids=ids, num_draft_tokens=0))
-            drafter_prefill = time.perf_counter() - t
-            stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
-            target, spec = [], []
-            for _ in range(3):
-                target.append(client.generate(ids, params, target_only=True).ttft_s)
-                spec.append(client.generate(ids, params, num_speculative_tokens=4).ttft_s)
+    with SpeculativeClient(verifier_proc.address, drafter=drafter_proc.address) as client:
+        ids = client.encode_prompt(prompt)
+        params = SamplingParams(temperature=0, max_tokens=8)
+        client.generate(ids, params.replace(max_tokens=2))  # warm-up
+        # The drafter's own prefill of this prompt, timed alone (the power of the check below).
+        stub = client.drafter
+        sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
+        t = time.perf_counter()
+        stub.Draft(pb.DraftRequest(session_id=sid, append_token_ids=ids, num_draft_tokens=0))
+        drafter_prefill = time.perf_counter() - t
+        stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+        target, spec = [], []
+        for _ in range(3):
+            target.append(client.generate(ids, params, target_only=True).ttft_s)
+            spec.append(client.generate(ids, params, num_speculative_tokens=4).ttft_s)
     t_target, t_spec = sorted(target)[1], sorted(spec)[1]
     assert drafter_prefill > 2 * t_target, (drafter_prefill, t_target)  # on the critical path it would show
     assert t_spec < 1.3 * t_target + 0.05, (t_spec, t_target)
