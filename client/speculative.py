@@ -428,8 +428,10 @@ class SpeculativeClient:
                         result.verifier_recoveries += 1
                 now = time.perf_counter()
                 result.verify_time_s += now - ts
-                # One engine step (no chunked prompt) is a sample of the verifier's step cost.
-                costs.observe_verify(load_from_pb(vresp.load), now - ts, fit=len(committed) - keep <= 2)
+                # One engine step (no chunked prompt, no background prefill of ours competing for a
+                # shared host's cores) is a sample of the verifier's step cost.
+                costs.observe_verify(load_from_pb(vresp.load), now - ts,
+                                     fit=len(committed) - keep <= 2 and draft_link.prefill is None)
                 out = list(vresp.output_token_ids)
                 verifier.kv = committed + out[:-1]
                 _check_kv("verifier", vresp.kv_length, len(verifier.kv))

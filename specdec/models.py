@@ -221,6 +221,30 @@ def _free_memory(device: torch.device) -> int:
 PREFILL_MIN_TOKENS = 3  # rows this long take the prefill weights, when a model has them
 
 
+def _on_own_thread(fn):
+    """fn() on a short-lived thread. Tensor work on the loading thread (a weight copy's dtype
+    conversion, a matmul timing) leaves an OpenMP team behind there that slowed every later
+    forward of the engine thread by 50-90% on this CPU (a float16 1-row step 41 -> 65-86 ms);
+    done on a thread that then exits, it leaves nothing behind."""
+    import threading
+
+    out: list = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            error.append(exc)
+
+    worker = threading.Thread(target=run, name="model-setup")
+    worker.start()
+    worker.join()
+    if error:
+        raise error[0]
+    return out[0]
+
+
 def _eos_ids(generation_config, config) -> list[int]:
     """The generation config's EOS ids, else the model config's; sorted, deduplicated."""
     eos = getattr(generation_config, "eos_token_id", None)
@@ -302,7 +326,7 @@ class CausalLM:
         self.eos_token_ids = _eos_ids(self.model.generation_config, self.config)
         self.max_context = _max_context(self.config, spec)
         self.slots = SlotForward(self.model, self.max_context) if slot_supported(self.model) else None
-        self.prefill_slots = self._prefill_forward(spec)
+        self.prefill_slots = _on_own_thread(lambda: self._prefill_forward(spec))
         self.tokenizer = load_tokenizer(spec)
         self.tokenizer_fingerprint = tokenizer_fingerprint(self.tokenizer)
         self.fast_path = self._fast_path_wanted(spec)
@@ -376,7 +400,6 @@ class CausalLM:
         wins. On CUDA every dtype batches: no twin."""
         if self.device.type != "cpu" or spec.quantize or self.slots is None:
             return "none"
-        import threading
         import time
 
         hidden = int(self.config.hidden_size)
@@ -393,11 +416,7 @@ class CausalLM:
                     x @ w.T
                 times[name] = time.perf_counter() - start
 
-        # On a thread of its own: an OpenMP team the loading thread starts here stays behind and
-        # slowed the engine thread's forwards by ~60% (8-row float32 steps, 115 -> 186 ms).
-        worker = threading.Thread(target=measure, name="prefill-dtype-probe")
-        worker.start()
-        worker.join()
+        measure()
         best = min(times, key=times.get)
         choice = best if best != spec.dtype and times[best] * 1.3 < times[spec.dtype] else "none"
         log.info("prefill dtype auto: %s (64-row matmul ms: %s)", choice,
