@@ -385,9 +385,12 @@ class SpeculativeClient:
                 # Never draft more than can be kept: the round emits up to gamma + 1 tokens.
                 gamma = max(0, min(cap, remaining - 1, drafter_context - len(committed)))
                 if gamma and draft_link.prefill is None and self._drafter_behind(draft_link, committed):
-                    # A prompt (or a long run of target-only rounds) to catch up on: the drafter
-                    # prefills in the background, only once drafts are wanted at all.
-                    self._start_prefill(draft_link, committed, sampling, fmt_pb, prompt_length, result)
+                    if controller is not None and controller.probing:
+                        gamma = 0  # a probe is worth a cheap round, not a prefill of the whole sequence
+                    else:
+                        # A prompt (or a long run of target-only rounds) to catch up on: the drafter
+                        # prefills in the background, only once drafts are wanted at all.
+                        self._start_prefill(draft_link, committed, sampling, fmt_pb, prompt_length, result)
                 if draft_link.prefill is not None:  # a fixed γ waits for it: the rounds stay reproducible
                     self._collect_prefill(draft_link, result, block=controller is None)
                     if draft_link.prefill is not None:

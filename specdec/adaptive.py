@@ -43,7 +43,9 @@ engines take turns on the cores (with separate devices this is the latency of on
 and the overlap between sessions is a bonus the model does not count). γ = 0 wins when
 batched drafting and wide verifies cost more than they save; sessions then run target-only
 rounds, and every `probe_every` of them one short round re-measures α and the drafter, so
-the estimates never go stale and speculation resumes when the load drops. A verifier that
+the estimates never go stale (a probe is skipped where the drafter would first have to
+prefill the whole sequence: that is no cheap probe). Speculation resumes when the load
+drops without one: the model is evaluated at the B the verifier reports every round. A verifier that
 reports `speculation_disabled` (its operator's cap) gets γ = 0 without probes.
 """
 
@@ -184,6 +186,7 @@ class AdaptiveGamma:
     # decayed sums over rounds of 1, γ, γ², t, γ·t (t = verify seconds): a least-squares fit of t = a + b·γ
     _v: list[float] = field(default_factory=lambda: [0.0] * 5)
     _zero_rounds: int = 0  # γ = 0 rounds in a row (load model)
+    probing: bool = False  # the last next_gamma was a probe, not the model's choice
 
     def __post_init__(self) -> None:
         if not 0 <= self.gamma_min <= self.gamma_max:
@@ -263,11 +266,13 @@ class AdaptiveGamma:
                 return expected_tokens(alpha, g) / max(g * (self._c_draft + b) + a, 1e-9)
 
         best = max(range(self.gamma_min, hi + 1), key=rate)
+        self.probing = False
         if best > 0 or hi == 0:
             self._zero_rounds = 0
             return best
         self._zero_rounds += 1
         if self._zero_rounds > self.probe_every:  # a cheap probe keeps α and the draft cost current
             self._zero_rounds = 0
+            self.probing = True
             return min(self.probe_gamma, hi)
         return 0

@@ -221,6 +221,18 @@ def _free_memory(device: torch.device) -> int:
 PREFILL_MIN_TOKENS = 3  # rows this long take the prefill weights, when a model has them
 
 
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo); empty where unknown."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def _on_own_thread(fn):
     """fn() on a short-lived thread. Tensor work on the loading thread (a weight copy's dtype
     conversion, a matmul timing) leaves an OpenMP team behind there that slowed every later
@@ -393,34 +405,25 @@ class CausalLM:
         return SlotForward(twin, self.max_context)
 
     def _fastest_prefill_dtype(self, spec: ModelSpec) -> str:
-        """`--prefill-dtype auto`: on a CPU, time one multi-row matmul of this model's shape in its
-        own dtype, float32 and bfloat16, and prefill in the fastest (a twin only when it is 1.3x
-        faster than the model's own). CPUs differ: with AVX512-BF16, bfloat16 rows batch well;
-        on AVX2 (this project's CI host) float16 and bfloat16 cost per row and float32's GEMM
-        wins. On CUDA every dtype batches: no twin."""
-        if self.device.type != "cpu" or spec.quantize or self.slots is None:
+        """`--prefill-dtype auto`: the dtype whose many-row matmuls this CPU runs natively, when
+        the model's own dtype has no such kernel here. Measured (README, "the drafter's dtype"):
+        on AVX2 a 64-row float16 or bfloat16 matmul of the 135M model's shape costs per row
+        (6.0 / 6.9 ms) where float32's GEMM takes 1.3 ms; with AVX512-BF16 / AMX bfloat16 rows
+        batch well, with AVX512-FP16 / AMX-FP16 float16 ones do. Decided from the CPU's flags,
+        not timed at start: two services loading side by side made such timings meaningless.
+        On CUDA every dtype batches: no copy."""
+        if self.device.type != "cpu" or spec.quantize or self.slots is None or spec.dtype == "float32":
             return "none"
-        import time
-
-        hidden = int(self.config.hidden_size)
-        inner = int(getattr(self.config, "intermediate_size", 4 * hidden))
-        times = {}
-
-        def measure() -> None:
-            for name in dict.fromkeys((spec.dtype, "float32", "bfloat16")):
-                dtype = DTYPES[name]
-                x, w = torch.randn(64, hidden, dtype=dtype), torch.randn(inner, hidden, dtype=dtype)  # a 64-token row
-                x @ w.T  # warm-up
-                start = time.perf_counter()
-                for _ in range(3):
-                    x @ w.T
-                times[name] = time.perf_counter() - start
-
-        measure()
-        best = min(times, key=times.get)
-        choice = best if best != spec.dtype and times[best] * 1.3 < times[spec.dtype] else "none"
-        log.info("prefill dtype auto: %s (64-row matmul ms: %s)", choice,
-                 ", ".join(f"{k} {v / 3 * 1e3:.2f}" for k, v in times.items()))
+        flags = _cpu_flags()
+        native = {"float16": {"avx512_fp16", "amx_fp16"}, "bfloat16": {"avx512_bf16", "amx_bf16"}}
+        if flags & native[spec.dtype]:
+            choice = "none"
+        elif flags & native["bfloat16"]:
+            choice = "bfloat16"
+        else:
+            choice = "float32"
+        log.info("prefill dtype auto: %s (model %s; CPU flags %s)", choice, spec.dtype,
+                 ", ".join(sorted(flags & (native["float16"] | native["bfloat16"]))) or "without native fp16/bf16")
         return choice
 
     def new_cache(self) -> KVSlot | Any:
