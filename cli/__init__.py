@@ -70,9 +70,11 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--session-ttl-s", type=float, default=600.0, help="idle sessions are closed after this")
     if role == "verifier":
         p.add_argument("--speculative-disable-by-batch-size", type=positive("--speculative-disable-by-batch-size",
-                                                                            zero=True), default=0,
+                                                                            zero=True), default=None,
                        help="at this many running sessions tell clients to stop drafting until the load drops "
-                            "(vLLM's name; 0 = never: the clients' adaptive gamma decides alone)")
+                            "(vLLM's name; 0 = never: the clients' adaptive gamma decides alone). Default: 2 on a "
+                            "CPU, where a drafter and a verifier sharing the cores oversubscribe them as soon as "
+                            "sessions draft and verify at once; 0 on CUDA")
         p.add_argument("--sampler-backend", default="auto", choices=["auto", "torch", "triton"],
                        help="batched speculative sampler: the fused Triton kernel (CUDA; auto picks it when triton "
                             "imports) or torch ops; both emit the same tokens for the same seed")
@@ -133,6 +135,15 @@ def _check_env_values(args: argparse.Namespace) -> None:
             raise ValueError(f"${var}={value!r} is not one of {', '.join(map(str, choices))}")
 
 
+def _disable_by_batch_size(args: argparse.Namespace) -> int:
+    """The verifier's speculation cap: as given, else 2 on a CPU (both services on one host's
+    cores: measured in the README, "Speculation under load") and never on CUDA."""
+    value = getattr(args, "speculative_disable_by_batch_size", 0)
+    if value is None:
+        return 2 if args.device == "cpu" else 0
+    return int(value)
+
+
 def _serve(args: argparse.Namespace, role: str) -> int:
     import torch
 
@@ -154,7 +165,7 @@ def _serve(args: argparse.Namespace, role: str) -> int:
                           speculation_slots=getattr(args, "speculation_slots", 0),
                           sampler_backend=getattr(args, "sampler_backend", "auto"),
                           max_num_batched_tokens=args.max_num_batched_tokens,
-                          speculative_disable_by_batch_size=getattr(args, "speculative_disable_by_batch_size", 0))
+                          speculative_disable_by_batch_size=_disable_by_batch_size(args))
     if role == "drafter" and args.backend == "ngram":
         from drafter_service.ngram_engine import NgramDrafterEngine
         from drafter_service.server import run
