@@ -375,7 +375,7 @@ class SpeculativeClient:
             while not finished:
                 remaining = params.max_tokens - len(result.token_ids)
                 costs = self.costs(verifier.server.address)
-                if not gamma_max or result.num_rounds == 0 or costs.disabled:
+                if not gamma_max or result.num_rounds == 0:
                     cap = 0  # the first token is the verifier's alone (target-only TTFT)
                 elif controller is not None:
                     controller.costs = costs
