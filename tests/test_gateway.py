@@ -321,8 +321,9 @@ def test_metrics_count_requests_tokens_and_drafts(oai, model, base_url):
         return out
 
     before = scrape()
-    reply = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
-                                        temperature=0)
+    # A seeded sampled request runs with a fixed γ (reproducible), so it drafts from its second round on.
+    reply = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+                                        temperature=0.7, seed=3)
     after = scrape()
 
     def delta(name: str, **labels) -> float:
@@ -365,7 +366,8 @@ def test_bench_serve_openai_backend_writes_the_same_json_keys_as_grpc(bench_resu
     # Same prompts, same chat template, greedy: the same token counts on both paths.
     assert http_res["total_input_tokens"] == grpc_res["total_input_tokens"] > 0
     assert http_res["total_output_tokens"] == grpc_res["total_output_tokens"] > 0
-    assert http_res["median_ttft_ms"] > 0 and http_res["acceptance_rate"] is not None
+    # (acceptance may be None: with adaptive γ six tokens can pass before a first draft)
+    assert http_res["median_ttft_ms"] > 0 and "acceptance_rate" in http_res
 
 
 @pytest.mark.slow
