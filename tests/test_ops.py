@@ -114,7 +114,7 @@ def test_metrics_count_a_generation_and_its_errors(services):
 
 
 def test_sigterm_drains_finishes_the_call_in_flight_refuses_new_ones_and_exits_in_grace():
-    grace_s = 10.0
+    grace_s = 20.0  # the 1,800-token prefill takes 5-15 s on 2 cores, in chunks of 256
     svc = start_service("verifier", ["--log-level", "INFO", "--grace-s", str(grace_s)], threads=1)
     try:
         with grpc.insecure_channel(svc.address) as ch:
