@@ -368,6 +368,9 @@ class SpeculativeClient:
         draft_link = _DrafterLink(gamma_max=gamma_max, max_draft_tokens=gamma_max, fanout=fanout)
         emitted_text = ""
         drafter_context = self.drafter_info.max_context if self.drafter_info else 0
+        # Both engines compute on CPUs (usually one host's cores): overlapping their work buys nothing.
+        shared_cpu = self.drafter_info is not None and self.drafter_info.device.startswith("cpu") and \
+            self.verifier_info.device.startswith("cpu")
         try:
             if gamma_max:
                 self._connect_drafter(draft_link, result)
@@ -384,6 +387,7 @@ class SpeculativeClient:
                     cap = draft_link.max_draft_tokens
                 # Never draft more than can be kept: the round emits up to gamma + 1 tokens.
                 gamma = max(0, min(cap, remaining - 1, drafter_context - len(committed)))
+                waited = draft_link.prefill is not None  # a prefill started in an earlier round
                 if gamma and draft_link.prefill is None and self._drafter_behind(draft_link, committed):
                     if controller is not None and controller.probing:
                         gamma = 0  # a probe is worth a cheap round, not a prefill of the whole sequence
@@ -391,10 +395,21 @@ class SpeculativeClient:
                         # A prompt (or a long run of target-only rounds) to catch up on: the drafter
                         # prefills in the background, only once drafts are wanted at all.
                         self._start_prefill(draft_link, committed, sampling, fmt_pb, prompt_length, result)
-                if draft_link.prefill is not None:  # a fixed γ waits for it: the rounds stay reproducible
-                    self._collect_prefill(draft_link, result, block=controller is None)
+                elif (result.num_rounds == 0 and gamma_max and draft_link.prefill is None and not shared_cpu
+                      and min(remaining - 1, drafter_context - len(committed)) > 0
+                      and (controller is None or controller.best_gamma(draft_link.max_draft_tokens) > 0)):
+                    # Drafts will be wanted from the second round on: the drafter prefills the prompt
+                    # now, beside the verifier's prefill, on its own device.
+                    self._start_prefill(draft_link, committed, sampling, fmt_pb, prompt_length, result)
+                if draft_link.prefill is not None:
+                    # A fixed γ waits for it (its rounds stay reproducible). Adaptive rounds run one
+                    # target-only round beside it, then wait when they want drafts. Both services on
+                    # CPUs: wait at once, since target-only rounds beside it would only share the same
+                    # cores (and a drafter niced there would crawl behind a busy verifier).
+                    self._collect_prefill(draft_link, result,
+                                          block=gamma > 0 and (controller is None or waited or shared_cpu))
                     if draft_link.prefill is not None:
-                        gamma = 0  # target-only rounds while it runs
+                        gamma = 0
                 drafts: list[int] = []
                 proposal = None
                 # A side whose cache is empty (first round, new session) prefills in this round,

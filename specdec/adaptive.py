@@ -245,27 +245,34 @@ class AdaptiveGamma:
         a = max(0.0, (st - b * sg) / w) if w > 0 else 0.0
         return a, b
 
-    def next_gamma(self, limit: int | None = None) -> int:
-        """The γ with the highest expected tokens per second, within [gamma_min, min(gamma_max, limit)]:
-        goodput of all running sessions with a load model (`costs`), else this session's own rate."""
-        hi = self.gamma_max if limit is None else max(self.gamma_min, min(self.gamma_max, limit))
-        alpha = self.alpha
+    def best_gamma(self, hi: int) -> int:
+        """The model's choice in [gamma_min, hi], without probes or bookkeeping (so a client can
+        ask, before its first round, whether this generation will want drafts at all)."""
         if self.costs is not None and self.costs.disabled:
             return self.gamma_min
+        alpha = self.alpha
         if self.costs is not None and self.costs.ready():
             costs = self.costs
 
             def rate(g: int) -> float:
                 return expected_tokens(alpha, g) / max(costs.round_s(g), 1e-9)
         elif self._c_draft is None:
-            return hi
+            return max(self.gamma_min, hi)
         else:
             a, b = self.verify_cost()
 
             def rate(g: int) -> float:
                 return expected_tokens(alpha, g) / max(g * (self._c_draft + b) + a, 1e-9)
 
-        best = max(range(self.gamma_min, hi + 1), key=rate)
+        return max(range(self.gamma_min, max(self.gamma_min, hi) + 1), key=rate)
+
+    def next_gamma(self, limit: int | None = None) -> int:
+        """The γ with the highest expected tokens per second, within [gamma_min, min(gamma_max, limit)]:
+        goodput of all running sessions with a load model (`costs`), else this session's own rate."""
+        hi = self.gamma_max if limit is None else max(self.gamma_min, min(self.gamma_max, limit))
+        if self.costs is not None and self.costs.disabled:
+            return self.gamma_min
+        best = self.best_gamma(hi)
         self.probing = False
         if best > 0 or hi == 0:
             self._zero_rounds = 0
