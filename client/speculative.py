@@ -166,6 +166,8 @@ class SpeculativeClient:
         self.fanout = fanout  # speculation cache: bonus candidates the drafter pre-drafts per round
         tls = TLSFiles(cert=tls_cert, key=tls_key, ca=tls_ca)
         self._channels: list[grpc.Channel] = []
+        self._closing: list[grpc.Future] = []  # drafter CloseSession calls in flight
+        self._closing_lock = threading.Lock()
         self._costs: dict[str, ServingCosts] = {}  # per verifier address: its load model
         self._costs_lock = threading.Lock()
 
@@ -242,6 +244,13 @@ class SpeculativeClient:
         return self.drafters.servers[0].stub if self.drafters is not None else None
 
     def close(self) -> None:
+        with self._closing_lock:
+            pending, self._closing = self._closing, []
+        for future in pending:  # drafter sessions closing in the background: let them finish
+            try:
+                future.result(timeout=5.0)
+            except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
+                pass
         for ch in self._channels:
             ch.close()
 
@@ -372,8 +381,8 @@ class SpeculativeClient:
         shared_cpu = self.drafter_info is not None and self.drafter_info.device.startswith("cpu") and \
             self.verifier_info.device.startswith("cpu")
         try:
-            if gamma_max:
-                self._connect_drafter(draft_link, result)
+            # The drafter session opens when drafts are first wanted (_start_prefill, _draft): a
+            # generation that never drafts (a loaded verifier's cap) never waits for the drafter.
             finished = False
             while not finished:
                 remaining = params.max_tokens - len(result.token_ids)
@@ -703,7 +712,15 @@ class SpeculativeClient:
 
     def _end(self, pool: ServerPool, link: "_Link") -> None:
         if link.session_id is not None:
-            self._close_quietly(link.server.stub, link.session_id)
+            if pool is self.drafters:
+                # In the background: the generation is over, and a drafter niced on cores a busy
+                # verifier holds may answer late; close() waits for these.
+                future = link.server.stub.CloseSession.future(pb.CloseSessionRequest(session_id=link.session_id),
+                                                              timeout=min(self.timeout_s, 5.0))
+                with self._closing_lock:
+                    self._closing = [f for f in self._closing if not f.done()] + [future]
+            else:
+                self._close_quietly(link.server.stub, link.session_id)
             pool.release(link.server)
             link.server, link.session_id = None, None
 

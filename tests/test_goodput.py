@@ -259,6 +259,25 @@ def test_first_token_is_not_delayed_by_a_slow_drafter_prefill(verifier_proc, dra
     assert t_spec < 1.3 * t_target + 0.05, (t_spec, t_target)
 
 
+def test_on_shared_cpus_the_drafter_runs_niced_and_drafts_from_the_second_round(verifier_proc, drafter_proc):
+    """Both services on CPUs: the drafter yields the cores to the verifier (niceness 10, the
+    verifier's 0), and an adaptive generation waits for the drafter's prompt prefill right
+    after the first token instead of running target-only rounds beside it on the same cores,
+    so it drafts from its second round."""
+    import os
+
+    from client.speculative import SpeculativeClient
+    from specdec.sampling import SamplingParams
+
+    assert os.getpriority(os.PRIO_PROCESS, drafter_proc.proc.pid) == 10
+    assert os.getpriority(os.PRIO_PROCESS, verifier_proc.proc.pid) == 0
+    prompt = " ".join(["A lighthouse keeper writes a letter to the sea about the ships that pass."] * 6)
+    with SpeculativeClient(verifier_proc.address, drafter=drafter_proc.address) as client:
+        result = client.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert result.gamma_per_round[0] == 0, result.gamma_per_round  # the first token is the verifier's alone
+    assert result.gamma_per_round[1] > 0, result.gamma_per_round
+
+
 def test_a_draft_its_proposal_gives_zero_probability_is_refused(verifier_proc):
     """Verify with a dense q that puts no mass on its own draft: INVALID_ARGUMENT naming the
     proposal, and the session still verifies correctly afterwards."""
