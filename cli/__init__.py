@@ -51,10 +51,6 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
                        help="--backend ngram: longest suffix n-gram looked up (the longest match wins)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=positive("--port", zero=True), default=DEFAULT_PORTS[role], help="0 picks a free port")
-    p.add_argument("--nice", type=int, default=None,
-                   help="CPU scheduling niceness of the service's threads (Linux nice, -20..19). Default: 10 for "
-                        "a drafter on a CPU (its work is optional: where it shares cores with a verifier, the "
-                        "verifier's prefills and verifies, every session's critical path, win them), else 0")
     p.add_argument("--threads", type=positive("--threads", zero=True), default=0,
                    help="torch intra-op threads (0 = all cores; the services alternate, so each may use all)")
     p.add_argument("--max-draft-tokens", type=positive("--max-draft-tokens", zero=True), default=16,
@@ -149,33 +145,6 @@ def _disable_by_batch_size(args: argparse.Namespace) -> int:
     return int(value)
 
 
-def _niceness(args: argparse.Namespace, role: str) -> int:
-    if args.nice is not None:
-        if not -20 <= args.nice <= 19:
-            raise SystemExit(f"--nice must be in -20..19, got {args.nice}")
-        return args.nice
-    return 10 if role == "drafter" and args.device == "cpu" else 0
-
-
-def _renice(niceness: int) -> None:
-    """Set every thread of this process to `niceness` (Linux niceness is per thread; threads
-    started later inherit their creator's). Measured on the 2-core host: a drafter prefilling
-    at the same moment as the verifier's prompt prefill took half the cores and the first
-    token came ~2x later; at niceness 10 the verifier keeps ~90% of them (CFS weights)."""
-    if not hasattr(os, "setpriority") or os.getpriority(os.PRIO_PROCESS, 0) == niceness:
-        return
-    tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else [str(os.getpid())]
-    for tid in tasks:
-        try:
-            os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
-        except PermissionError:
-            logging.getLogger(__name__).warning("--nice %d needs privileges here; running at %d", niceness,
-                                                os.getpriority(os.PRIO_PROCESS, 0))
-            return
-        except (OSError, ValueError):
-            pass  # a thread that ended meanwhile
-
-
 def _serve(args: argparse.Namespace, role: str) -> int:
     import torch
 
@@ -186,7 +155,6 @@ def _serve(args: argparse.Namespace, role: str) -> int:
     # key=value, so a log pipeline (or grep) can split fields; call lines add method, code, session.
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"ts=%(asctime)s role={role} level=%(levelname)s logger=%(name)s %(message)s")
-    _renice(_niceness(args, role))  # before the engine, gRPC and OpenMP threads exist: they inherit it
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     prefill_dtype = args.prefill_dtype
     spec = ModelSpec(model=args.model, gguf_file=args.gguf_file, dtype=args.dtype, device=args.device,

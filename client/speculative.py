@@ -371,8 +371,10 @@ class SpeculativeClient:
         # replaced by a new one that is re-prefilled from it (kv = [] -> truncate_to = 0).
         verifier = _Link()  # this generation's verifier session
         self._open_verifier_session(verifier, result)
+        own_costs = self.costs(verifier.server.address)
+        own_costs.begin()
         if controller is not None:
-            controller.attach(self.costs(verifier.server.address))
+            controller.attach(own_costs)
         committed = list(prompt_ids)
         draft_link = _DrafterLink(gamma_max=gamma_max, max_draft_tokens=gamma_max, fanout=fanout)
         emitted_text = ""
@@ -411,12 +413,16 @@ class SpeculativeClient:
                     # now, beside the verifier's prefill, on its own device.
                     self._start_prefill(draft_link, committed, sampling, fmt_pb, prompt_length, result)
                 if draft_link.prefill is not None:
-                    # A fixed γ waits for it (its rounds stay reproducible). Adaptive rounds run one
-                    # target-only round beside it, then wait when they want drafts. Both services on
-                    # CPUs: wait at once, since target-only rounds beside it would only share the same
-                    # cores (and a drafter niced there would crawl behind a busy verifier).
-                    self._collect_prefill(draft_link, result,
-                                          block=gamma > 0 and (controller is None or waited or shared_cpu))
+                    # A fixed γ waits for it (its rounds stay reproducible). Adaptive rounds on separate
+                    # devices run one target-only round beside it, then wait when they want drafts.
+                    # Both services on CPUs: a session alone waits at once (target-only rounds beside
+                    # the prefill would only share its cores); beside other sessions it never waits,
+                    # since the drafter, niced there, advances only when the verifier pauses.
+                    if controller is None:
+                        block = True
+                    else:
+                        block = costs.running <= 1 if shared_cpu else waited
+                    self._collect_prefill(draft_link, result, block=gamma > 0 and block)
                     if draft_link.prefill is not None:
                         gamma = 0
                 drafts: list[int] = []
@@ -512,6 +518,7 @@ class SpeculativeClient:
                 else:
                     yield StreamChunk(token_ids=new, text=delta, logprobs=logprobs)
         finally:
+            own_costs.end()
             self._end(self.verifiers, verifier)
             if self.drafters is not None:
                 if draft_link.prefill is not None:  # let it land before the session closes

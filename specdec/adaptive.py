@@ -112,10 +112,25 @@ class ServingCosts:
         self.draft = LinearCost(decay, prior_doubling=8.0)  # seconds per drafter step vs its rows
         self.verify_overhead = 0.0  # seconds per Verify call beyond the engine step
         self.draft_overhead = 0.0  # seconds per Draft call beyond its engine steps
-        self.running = 1  # sessions running on the verifier (B)
+        self.reported_running = 1  # sessions running on the verifier (B), as it last reported
+        self.local_running = 0  # this client's generations in flight on it (begin / end)
         self.disabled = False  # the verifier asks for no drafts (--speculative-disable-by-batch-size)
         self._alpha = [0.0, 0.0]  # decayed [accepted, trials] of all generations
         self._lock = threading.Lock()
+
+    @property
+    def running(self) -> int:
+        """B: what the verifier reported, at least this client's own generations in flight (which
+        it knows before any reply: sessions that start together see each other at once)."""
+        return max(self.reported_running, self.local_running)
+
+    def begin(self) -> None:
+        with self._lock:
+            self.local_running += 1
+
+    def end(self) -> None:
+        with self._lock:
+            self.local_running = max(0, self.local_running - 1)
 
     def ready(self) -> bool:
         with self._lock:
@@ -125,7 +140,7 @@ class ServingCosts:
         """load: the verifier's EngineLoad for one call; fit: the call was one engine step
         (no chunked prefill), so its cost and overhead are a sample of the model."""
         with self._lock:
-            self.running = max(1, load.running_sessions)
+            self.reported_running = max(1, load.running_sessions)
             self.disabled = load.speculation_disabled
             if fit and load.step_tokens > 0:
                 step_s = load.step_ms / 1e3

@@ -54,22 +54,27 @@ RUNNING_WINDOW_S = 2.0  # a session that called within this many seconds counts 
 
 class RunningSessions:
     """Which sessions are in a generation right now: those that called within the window and
-    are still open. Used on the engine thread only."""
+    are still open. A call counts from its arrival (gRPC threads), not from the step that
+    serves it: sessions arriving together all count in the first reply, though their prompts
+    take several chunked steps."""
 
     def __init__(self, window_s: float = RUNNING_WINDOW_S) -> None:
         self.window_s = window_s
         self._last: dict[str, float] = {}
+        self._lock = threading.Lock()
 
     def touch(self, session_ids, now: float) -> None:
-        for sid in session_ids:
-            self._last[sid] = now
+        with self._lock:
+            for sid in session_ids:
+                self._last[sid] = now
 
     def count(self, now: float, alive) -> int:
         """alive(session_id) -> bool: closed sessions stop counting at once."""
         cutoff = now - self.window_s
-        for sid in [sid for sid, t in self._last.items() if t < cutoff or not alive(sid)]:
-            del self._last[sid]
-        return len(self._last)
+        with self._lock:
+            for sid in [sid for sid, t in self._last.items() if t < cutoff or not alive(sid)]:
+                del self._last[sid]
+            return len(self._last)
 
 
 @dataclass
@@ -239,6 +244,9 @@ class ServingModel:
 
     def submit(self, payload) -> object:
         """Queue one request for the next batch and wait for its result (exceptions propagate)."""
+        session = getattr(payload, "session", None)
+        if session is not None:
+            self.running.touch([session.session_id], time.monotonic())
         try:
             result = self.scheduler.submit(payload)
         except BaseException:

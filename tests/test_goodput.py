@@ -259,23 +259,39 @@ def test_first_token_is_not_delayed_by_a_slow_drafter_prefill(verifier_proc, dra
     assert t_spec < 1.3 * t_target + 0.05, (t_spec, t_target)
 
 
-def test_on_shared_cpus_the_drafter_runs_niced_and_drafts_from_the_second_round(verifier_proc, drafter_proc):
-    """Both services on CPUs: the drafter yields the cores to the verifier (niceness 10, the
-    verifier's 0), and an adaptive generation waits for the drafter's prompt prefill right
-    after the first token instead of running target-only rounds beside it on the same cores,
-    so it drafts from its second round."""
-    import os
-
+def test_on_shared_cpus_a_lone_session_drafts_from_its_second_round(verifier_proc, drafter_proc):
+    """Both services on CPUs, one session: right after the first token the generation waits
+    for the drafter's prompt prefill instead of running target-only rounds beside it on the
+    same cores (where they only share them), so it drafts from its second round."""
     from client.speculative import SpeculativeClient
     from specdec.sampling import SamplingParams
 
-    assert os.getpriority(os.PRIO_PROCESS, drafter_proc.proc.pid) == 10
-    assert os.getpriority(os.PRIO_PROCESS, verifier_proc.proc.pid) == 0
     prompt = " ".join(["A lighthouse keeper writes a letter to the sea about the ships that pass."] * 6)
     with SpeculativeClient(verifier_proc.address, drafter=drafter_proc.address) as client:
+        assert client.drafter_info.device == "cpu" and client.verifier_info.device == "cpu"
         result = client.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert result.gamma_per_round[0] == 0, result.gamma_per_round  # the first token is the verifier's alone
     assert result.gamma_per_round[1] > 0, result.gamma_per_round
+
+
+def test_concurrent_generations_of_one_client_see_each_other_before_any_reply():
+    """B for the load model is at least the client's own generations in flight on a verifier,
+    so sessions starting together do not each take themselves for the only one."""
+    from specdec.adaptive import ServingCosts
+    from specdec.serving import EngineLoad
+
+    costs = ServingCosts()
+    for _ in range(8):
+        costs.begin()
+    assert costs.running == 8
+    costs.observe_verify(EngineLoad(running_sessions=1, step_rows=1, step_tokens=1, step_ms=10.0), 0.02)
+    assert costs.running == 8  # a reply counted before the others arrived does not lower it
+    costs.observe_verify(EngineLoad(running_sessions=12, step_rows=12, step_tokens=12, step_ms=30.0), 0.04)
+    assert costs.running == 12  # other clients' sessions count too
+    for _ in range(8):
+        costs.end()
+    costs.observe_verify(EngineLoad(running_sessions=1, step_rows=1, step_tokens=1, step_ms=10.0), 0.02)
+    assert costs.running == 1
 
 
 def test_a_draft_its_proposal_gives_zero_probability_is_refused(verifier_proc):

@@ -127,7 +127,7 @@ class VerifierEngine(ServingModel):
         for r in reqs + [r for r, _ in chunks]:
             if r.queue_ms is None:
                 r.queue_ms = (start - r.submitted) * 1e3
-        running = self.note_running([r.session.session_id for r in reqs] + [r.session.session_id for r, _ in chunks])
+        self.note_running([r.session.session_id for r in reqs] + [r.session.session_id for r, _ in chunks])
         step_tokens = sum(len(row.token_ids) for row in rows)
         if not reqs:  # prefill chunks only
             self.lm.forward_rows(rows)
@@ -181,6 +181,9 @@ class VerifierEngine(ServingModel):
         self.stats.add(forwards=1)
         # The batch's only device-to-host transfers: the accepted counts and the emitted ids.
         accepted, emitted = out.num_accepted.tolist(), out.output_token_ids.tolist()
+        # Counted after the step: sessions that arrived while it ran count in its replies too (the
+        # first reply to sessions starting together would otherwise see only the first of them).
+        running = self.note_running([])
         load = EngineLoad(running_sessions=running, step_rows=len(rows), step_tokens=step_tokens,
                           step_ms=(time.perf_counter() - start) * 1e3,
                           speculation_disabled=0 < self.config.speculative_disable_by_batch_size <= running)
