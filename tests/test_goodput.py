@@ -326,3 +326,31 @@ def test_a_draft_its_proposal_gives_zero_probability_is_refused(verifier_proc):
         assert out.kv_length == len(prompt) + out.num_accepted  # the failed call left the cache as it was
         assert 1 <= len(out.output_token_ids) <= 3
         stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+
+
+def test_prefill_chunks_go_shortest_first_without_starving_a_long_prompt():
+    """The verifier's step plan: decode rounds first, then prompts shortest first (a short
+    prompt behind a long one completes in this step), and a prompt left with no tokens for
+    STARVED_STEPS steps goes first."""
+    from types import SimpleNamespace
+
+    from verifier_service.engine import STARVED_STEPS, VerifierEngine, _Request
+
+    engine = SimpleNamespace(max_batched_tokens=256, config=SimpleNamespace(max_draft_tokens=8))
+
+    def req(n: int, drafts: int = 0) -> _Request:
+        return _Request(session=None, append_token_ids=[1] * n, draft_token_ids=[2] * drafts, q=None, q_sums=None,
+                        params=None, prompt_length=0)
+
+    long, short, decode = req(320), req(40), req(1, drafts=4)
+    whole, chunks, waiting = VerifierEngine._plan_step(engine, [long, short, decode])
+    assert whole == [decode, short] and waiting == []
+    assert chunks == [(long, [1] * (256 - 5 - 40))]  # the long prompt takes what is left
+
+    # Short prompts filling the budget every step: the long one waits, then goes first.
+    long = req(600)
+    for step in range(STARVED_STEPS):
+        whole, chunks, waiting = VerifierEngine._plan_step(engine, [req(128), req(128), long])
+        assert waiting == [long] and long.starved_steps == step + 1
+    whole, chunks, waiting = VerifierEngine._plan_step(engine, [req(128), req(128), long])
+    assert chunks[0][0] is long and len(chunks[0][1]) == 256 and long.starved_steps == 0

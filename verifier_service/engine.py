@@ -40,6 +40,9 @@ class VerifyOut:
     load: EngineLoad = EngineLoad()
 
 
+STARVED_STEPS = 4  # steps a prompt may get no tokens before it goes ahead of shorter ones
+
+
 @dataclass
 class _Request:
     session: Session  # held exclusively by the submitting thread, already truncated
@@ -51,6 +54,7 @@ class _Request:
     prompt_length: int
     submitted: float = field(default_factory=time.perf_counter)
     queue_ms: float | None = None  # set at the request's first step
+    starved_steps: int = 0  # steps in a row that gave this request no tokens at all
 
     @property
     def width(self) -> int:
@@ -199,13 +203,19 @@ class VerifierEngine(ServingModel):
 
     def _plan_step(self, reqs: list[_Request]) -> tuple[list[_Request], list[tuple[_Request, list[int]]], list[_Request]]:
         """Split a step's token budget as vLLM's chunked prefill does: decode rounds first (a
-        verify of a few tokens, in arrival order), then chunks of the longer appends (prompts)
-        while budget is left; the rest waits for the next step. Something always advances.
+        verify of a few tokens, in arrival order), then the longer appends (prompts), whole or
+        as a chunk of what budget is left; the rest waits for the next step. Something always
+        advances. Prompts go shortest first: a 40-token prompt arriving just after a 320-token
+        one gets its first token in this step instead of two steps later (in arrival order,
+        median TTFT at concurrency 4 depended on which request's bytes reached the server
+        first). A prompt that got no tokens for STARVED_STEPS steps in a row goes first.
         Returns (verified whole, [(request, chunk of its append)], waiting)."""
         left = self.max_batched_tokens
         whole, chunks, waiting = [], [], []
         short = self.config.max_draft_tokens + 2  # the widest decode round: drafts, a catch-up token, the last
-        for r in [r for r in reqs if r.width <= short] + [r for r in reqs if r.width > short]:
+        prompts = sorted((r for r in reqs if r.width > short),
+                         key=lambda r: (r.starved_steps < STARVED_STEPS, r.width))  # stable: arrival order on ties
+        for r in [r for r in reqs if r.width <= short] + prompts:
             if r.width <= left:
                 whole.append(r)
                 left -= r.width
@@ -216,6 +226,9 @@ class VerifierEngine(ServingModel):
                 left -= n
             else:
                 waiting.append(r)
+        starved = {id(r) for r in waiting}
+        for r in reqs:
+            r.starved_steps = r.starved_steps + 1 if id(r) in starved else 0
         return whole, chunks, waiting
 
     def _advance_chunks(self, chunks: list[tuple[_Request, list[int]]]) -> None:
