@@ -417,7 +417,7 @@ class SpeculativeClient:
                     # devices run one target-only round beside it, then wait when they want drafts.
                     # Both services on CPUs: a session alone waits at once (target-only rounds beside
                     # the prefill would only share its cores); beside other sessions it never waits,
-                    # since the drafter, niced there, advances only when the verifier pauses.
+                    # since the drafter then shares the cores with the others' verifies.
                     if controller is None:
                         block = True
                     else:
@@ -720,8 +720,8 @@ class SpeculativeClient:
     def _end(self, pool: ServerPool, link: "_Link") -> None:
         if link.session_id is not None:
             if pool is self.drafters:
-                # In the background: the generation is over, and a drafter niced on cores a busy
-                # verifier holds may answer late; close() waits for these.
+                # In the background: the generation is over, and a drafter on cores a busy verifier
+                # holds may answer late; close() waits for these.
                 future = link.server.stub.CloseSession.future(pb.CloseSessionRequest(session_id=link.session_id),
                                                               timeout=min(self.timeout_s, 5.0))
                 with self._closing_lock:

@@ -174,13 +174,16 @@ def test_drafter_pool_takes_a_late_drafter_balances_and_moves_a_killed_drafters_
         with SpeculativeClient(verifier_proc.address, drafter=[late, drafter_proc.address]) as client:
             assert client.drafters.servers[0].down  # not there yet: the client started anyway
             doomed = start_service("drafter", ARGS, port=int(late.rsplit(":", 1)[1]), threads=1)
-            wait_for(lambda: client.generate(PROMPTS[0], GREEDY.replace(max_tokens=2)).drafter_addresses == [late],
-                      60, "the late drafter to take a session")
+            # A generation opens its drafter session when it first drafts (its second round).
+            wait_for(lambda: client.generate(PROMPTS[0], GREEDY.replace(max_tokens=8),
+                                             num_speculative_tokens=4).drafter_addresses == [late],
+                     60, "the late drafter to take a session")
             expected = _target_only(client, PROMPTS)
             progress: collections.Counter = collections.Counter()
             chunks: dict[int, list] = collections.defaultdict(list)
             results, threads = stream_concurrently(client, [(p, GREEDY) for p in PROMPTS], progress, chunks)
-            wait_for(lambda: len(progress) == len(PROMPTS), 120, "a first round of every generation")
+            wait_for(lambda: len(progress) == len(PROMPTS) and min(progress.values()) >= 2, 120,
+                     "a drafting round of every generation")
             live_at_kill = client.drafters.live_sessions()
             killed_at = time.monotonic()
             doomed.kill()  # SIGKILL
