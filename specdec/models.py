@@ -76,7 +76,7 @@ class ModelSpec:
             raise ValueError(f"--cpu-linear must be auto, mkl or onednn, got {self.cpu_linear!r}")
         if self.cpu_linear == "auto":
             # oneDNN with prepacked weights wherever it applies: a 5-token verify of the 135M
-            # target 129 -> 78 ms on this AVX2 host, the same 1-token step (README, "CPU linears").
+            # target 102 -> 78 ms on an AVX2 host, a 1-token step 73 -> 55 (README, "CPU options").
             usable = self.device == "cpu" and self.dtype == "float32" and not self.quantize
             object.__setattr__(self, "cpu_linear", "onednn" if usable and torch.backends.mkldnn.is_available() else "mkl")
         if self.cpu_linear == "onednn" and (self.device != "cpu" or self.dtype != "float32" or self.quantize):
