@@ -51,6 +51,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec")
 
 
+def onednn_applies(device: str, dtype: str, quantize: str | None) -> bool:
+    """Where prepacked oneDNN linears (OneDNNLinear) can serve: float32 weights on a CPU, unquantized."""
+    return device == "cpu" and dtype == "float32" and not quantize
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What to load. `model` is a HF id, a local directory, or "embedded"."""
@@ -74,12 +79,12 @@ class ModelSpec:
             raise ValueError(f"--quantize must be int8, got {self.quantize!r}")
         if self.cpu_linear not in ("auto", "mkl", "onednn"):
             raise ValueError(f"--cpu-linear must be auto, mkl or onednn, got {self.cpu_linear!r}")
+        applies = onednn_applies(self.device, self.dtype, self.quantize)
         if self.cpu_linear == "auto":
             # oneDNN with prepacked weights wherever it applies: a 5-token verify of the 135M
             # target 102 -> 78 ms on an AVX2 host, a 1-token step 73 -> 55 (README, "CPU options").
-            usable = self.device == "cpu" and self.dtype == "float32" and not self.quantize
-            object.__setattr__(self, "cpu_linear", "onednn" if usable and torch.backends.mkldnn.is_available() else "mkl")
-        if self.cpu_linear == "onednn" and (self.device != "cpu" or self.dtype != "float32" or self.quantize):
+            object.__setattr__(self, "cpu_linear", "onednn" if applies and torch.backends.mkldnn.is_available() else "mkl")
+        if self.cpu_linear == "onednn" and not applies:
             raise ValueError("--cpu-linear onednn applies to float32 models on the CPU without --quantize")
         if self.prefill_dtype not in ("auto", "none", *DTYPES):
             raise ValueError(f"--prefill-dtype must be auto, none or one of {', '.join(DTYPES)}, "
@@ -414,7 +419,7 @@ class CausalLM:
         import copy
 
         twin = copy.deepcopy(self.model).to(DTYPES[choice])
-        if choice == "float32" and self.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        if onednn_applies(self.device.type, choice, spec.quantize) and torch.backends.mkldnn.is_available():
             use_onednn_linears(twin)  # prefill rows are many-row GEMMs: oneDNN's prepacked kernels
         return SlotForward(twin, self.max_context)
 

@@ -131,7 +131,8 @@ class VerifierEngine(ServingModel):
         for r in reqs + [r for r, _ in chunks]:
             if r.queue_ms is None:
                 r.queue_ms = (start - r.submitted) * 1e3
-        self.note_running([r.session.session_id for r in reqs] + [r.session.session_id for r, _ in chunks])
+        # Fresh for the window while a long prompt's chunks run; counted after the step (below).
+        self.running.touch([r.session.session_id for r in reqs + [r for r, _ in chunks]], time.monotonic())
         step_tokens = sum(len(row.token_ids) for row in rows)
         if not reqs:  # prefill chunks only
             self.lm.forward_rows(rows)
