@@ -129,6 +129,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A llama-family RMSNorm module's output in one fused kernel instead of its seven eager ops
+    (44 -> 21 us per call on the CPU at decode shapes, 61 calls per step of a 30-layer model).
+    Same arithmetic as the module: normalize in float32, cast back, then scale by the weight."""
+    shape = (x.shape[-1],)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, shape, norm.weight, norm.variance_epsilon)
+    return norm.weight * F.rms_norm(x.float(), shape, None, norm.variance_epsilon).to(x.dtype)
+
+
 class SlotForward:
     """Batched decoder forward over KV slots for a loaded HF llama-family model."""
 
@@ -178,20 +188,23 @@ class SlotForward:
         h = inner.embed_tokens(ids)  # [N, hidden]
         cos, sin = inner.rotary_emb(h[None], positions[None])  # [1, N, D] each
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [N, 1, D]: broadcast over heads
+        # rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi], exactly: 4 ops per tensor, not 7.
+        half = self.head_dim // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         masks = [self._causal_mask(s, n) for s, n in zip(starts, lengths)]
         bounds = [0]
         for n in lengths:
             bounds.append(bounds[-1] + n)
         for li, layer in enumerate(inner.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
+            x = rms_norm(layer.input_layernorm, h)
             q = attn.q_proj(x).view(-1, self.num_heads, self.head_dim)  # [N, H, D]
             k = attn.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)  # [N, H_kv, D]
             v = attn.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm before rotary
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q = q * cos + q.roll(half, -1) * sin
+            k = k * cos + k.roll(half, -1) * sin
             out = torch.empty_like(q)  # [N, H, D]
             for b, r in enumerate(rows):
                 lo, hi, start = bounds[b], bounds[b + 1], starts[b]
@@ -210,11 +223,11 @@ class SlotForward:
                 )
                 out[lo:hi] = o[0].transpose(0, 1)  # back to the model's dtype
             h = h + attn.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
         for r, n in zip(rows, lengths):
             r.slot.length += n
         keep = torch.cat([torch.arange(bounds[b + 1] - r.keep, bounds[b + 1], device=dev) for b, r in enumerate(rows)])
-        return self.model.lm_head(inner.norm(h[keep])).float()  # [sum keep, V]
+        return self.model.lm_head(rms_norm(inner.norm, h[keep])).float()  # [sum keep, V]
 
     def _causal_mask(self, start: int, n: int) -> torch.Tensor | None:
         """[n, start + n] bool, True = may attend: query t sees keys 0..start + t. None for n = 1."""

@@ -15,7 +15,7 @@ import torch
 from client.launcher import start_service
 from specdec.models import Row
 from specdec.sampling import SamplingParams
-from specdec.slot_forward import SlotForward, check_matches_reference
+from specdec.slot_forward import SlotForward, check_matches_reference, rms_norm, rotate_half
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
 
@@ -36,6 +36,22 @@ def test_slot_forward_matches_transformers_prefill_and_incremental(target_lm):
         ref = target_lm.model(torch.tensor([ids])).logits[0].float()
     assert torch.allclose(torch.cat([head, tail]), ref, atol=1e-3)
     assert slot.length == len(ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_norm_and_rotary_equal_the_eager_ops_bit_for_bit(target_lm, dtype):
+    """The slot forward's fused RMSNorm and its roll-based rotary are pure speed-ups: the
+    same numbers as the model's own modules, for every dtype a model can load in."""
+    norm = type(target_lm.model.model.norm)(576, eps=1e-5).to(dtype)
+    torch.nn.init.normal_(norm.weight)
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(7, 576, generator=gen) * 3).to(dtype)
+    with torch.inference_mode():
+        assert torch.equal(rms_norm(norm, x), norm(x))
+    q = torch.randn(7, 9, 64, generator=gen).to(dtype)
+    sin = torch.randn(7, 1, 64, generator=gen).to(dtype)
+    signed = torch.cat((-sin[..., :32], sin[..., 32:]), dim=-1)
+    assert torch.equal(q.roll(32, -1) * signed, rotate_half(q) * sin)
 
 
 def test_rows_of_one_batch_equal_their_solo_forwards(target_lm):
