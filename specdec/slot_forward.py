@@ -124,9 +124,16 @@ def supports(model) -> bool:
             and hasattr(model, "model") and hasattr(model.model, "rotary_emb"))
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """[..., D] sin table -> [-sin_lo, sin_hi], for `rotate`: HF's rotate_half(x) * sin equals
+    roll(x, D/2) * signed_sin(sin) exactly (negation is exact), in 4 ops per tensor, not 7."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [..., D] (HF's half-split layout); sin_signed from signed_sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -188,9 +195,7 @@ class SlotForward:
         h = inner.embed_tokens(ids)  # [N, hidden]
         cos, sin = inner.rotary_emb(h[None], positions[None])  # [1, N, D] each
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [N, 1, D]: broadcast over heads
-        # rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi], exactly: 4 ops per tensor, not 7.
-        half = self.head_dim // 2
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        sin = signed_sin(sin)
         masks = [self._causal_mask(s, n) for s, n in zip(starts, lengths)]
         bounds = [0]
         for n in lengths:
@@ -203,8 +208,7 @@ class SlotForward:
             v = attn.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm before rotary
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q = q * cos + q.roll(half, -1) * sin
-            k = k * cos + k.roll(half, -1) * sin
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             out = torch.empty_like(q)  # [N, H, D]
             for b, r in enumerate(rows):
                 lo, hi, start = bounds[b], bounds[b + 1], starts[b]

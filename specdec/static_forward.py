@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from typing import Callable
 
-from specdec.slot_forward import Row, SlotForward, SlotPool, check_rows, rotate_half
+from specdec.slot_forward import Row, SlotForward, SlotPool, check_rows, rms_norm, rotate, signed_sin
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class StaticForward:
             positions = torch.arange(self.max_len, device=self.device)[None]  # [1, M]
             probe = torch.zeros(1, self.max_len, 1, dtype=slots.dtype, device=self.device)
             cos, sin = inner.rotary_emb(probe, positions)  # [1, M, D] each, attention scaling folded in
-        self.cos, self.sin = cos[0], sin[0]  # [M, D]
+        self.cos, self.sin = cos[0], signed_sin(sin[0])  # [M, D]; sin signed for `rotate`
         self._buckets: dict[tuple[int, int, int], _Bucket] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
         # Graph outputs: one flat buffer shared by every graph (each writes its first B·T·V
@@ -235,14 +235,13 @@ class StaticForward:
         h = inner.embed_tokens(ids)  # [B, T, hidden]
         for li, layer in enumerate(inner.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
+            x = rms_norm(layer.input_layernorm, h)
             q = attn.q_proj(x).view(B, T, H, D)
             k = attn.k_proj(x).view(B, T, Hkv, D)
             v = attn.v_proj(x).view(B, T, Hkv, D)
             if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm before rotary
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             k_pool, v_pool = self.pool.data[:, li, 0], self.pool.data[:, li, 1]  # [S + 1, H_kv, M, D] views
             k_pool[write_slot, :, write_pos] = k.to(k_pool.dtype)  # index_put_ of [B, T, H_kv, D]
             v_pool[write_slot, :, write_pos] = v.to(v_pool.dtype)
@@ -252,8 +251,8 @@ class StaticForward:
             o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=allowed, scale=attn.scaling)
             o = o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)  # head = j·G + g
             h = h + attn.o_proj(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.lm_head(inner.norm(h))  # [B, T, V]
+            h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
+        return self.model.lm_head(rms_norm(inner.norm, h))  # [B, T, V]
 
     def shape_count(self) -> int:
         return len(self._buckets)

@@ -11,11 +11,12 @@ import grpc
 import psutil
 import pytest
 import torch
+from transformers.models.llama.modeling_llama import rotate_half
 
 from client.launcher import start_service
 from specdec.models import Row
 from specdec.sampling import SamplingParams
-from specdec.slot_forward import SlotForward, check_matches_reference, rms_norm, rotate_half
+from specdec.slot_forward import SlotForward, check_matches_reference, rms_norm, rotate, signed_sin
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
 
@@ -49,9 +50,8 @@ def test_fused_norm_and_rotary_equal_the_eager_ops_bit_for_bit(target_lm, dtype)
     with torch.inference_mode():
         assert torch.equal(rms_norm(norm, x), norm(x))
     q = torch.randn(7, 9, 64, generator=gen).to(dtype)
-    sin = torch.randn(7, 1, 64, generator=gen).to(dtype)
-    signed = torch.cat((-sin[..., :32], sin[..., 32:]), dim=-1)
-    assert torch.equal(q.roll(32, -1) * signed, rotate_half(q) * sin)
+    cos, sin = torch.randn(2, 7, 1, 64, generator=gen).to(dtype)
+    assert torch.equal(rotate(q, cos, signed_sin(sin)), q * cos + rotate_half(q) * sin)  # transformers' own
 
 
 def test_rows_of_one_batch_equal_their_solo_forwards(target_lm):
