@@ -51,6 +51,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec")
 
 
+def _auto_quantize(device: str) -> str | None:
+    """`--quantize auto` (the drafter's default): int4 on a CPU with native bfloat16 (AVX512-BF16
+    or AMX), where the 135M drafter's step measured 15 ms in int4 against 32-33 ms in float16 /
+    bfloat16 and the float32 target's 28-35 ms (README, "the drafter's dtype"); elsewhere none.
+    On AVX2 hosts int4 has not been measured against float16, which is kept there."""
+    if device != "cpu":
+        return None
+    from specdec.quantized import int4_available
+
+    flags = _cpu_flags()
+    return "int4" if flags & {"avx512_bf16", "amx_bf16"} and int4_available() else None
+
+
 def onednn_applies(device: str, dtype: str, quantize: str | None) -> bool:
     """Where prepacked oneDNN linears (OneDNNLinear) can serve: float32 weights on a CPU, unquantized."""
     return device == "cpu" and dtype == "float32" and not quantize
@@ -64,7 +77,9 @@ class ModelSpec:
     gguf_file: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
-    quantize: str | None = None  # "int8": dynamic int8 quantization of the decoder layers (CPU)
+    # "int8": dynamic int8 quantization of the decoder layers (CPU); "int4": weight-only int4
+    # decoder linears computing in bfloat16 (CPU, quantized.py); "auto": int4 where resolved below
+    quantize: str | None = None
     max_model_len: int | None = None  # KV positions per session (vLLM's name); default min(config, 2048)
     cpu_linear: str = "auto"  # "onednn": prepacked oneDNN float32 linears (CPU; see OneDNNLinear); auto: resolved below
     prefill_dtype: str = "none"  # dtype of a second weight copy for rows of >= 3 tokens, or "auto"; see CausalLM
@@ -75,8 +90,17 @@ class ModelSpec:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
-        if self.quantize not in (None, "int8"):
-            raise ValueError(f"--quantize must be int8, got {self.quantize!r}")
+        if self.quantize not in (None, "none", "int8", "int4", "auto"):
+            raise ValueError(f"--quantize must be none, int8, int4 or auto, got {self.quantize!r}")
+        if self.quantize == "auto":
+            object.__setattr__(self, "quantize", _auto_quantize(self.device))
+        if self.quantize == "none":
+            object.__setattr__(self, "quantize", None)
+        if self.quantize == "int4":
+            if self.device != "cpu":
+                raise ValueError("--quantize int4 is a CPU option (ATen's CPU int4 kernel)")
+            # The kernel takes bfloat16 activations: the unquantized parts compute in it too.
+            object.__setattr__(self, "dtype", "bfloat16")
         if self.cpu_linear not in ("auto", "mkl", "onednn"):
             raise ValueError(f"--cpu-linear must be auto, mkl or onednn, got {self.cpu_linear!r}")
         applies = onednn_applies(self.device, self.dtype, self.quantize)
@@ -92,8 +116,8 @@ class ModelSpec:
         if self.fast_path not in ("auto", "on", "off"):
             raise ValueError(f"--fast-path must be auto, on or off, got {self.fast_path!r}")
         if self.fast_path == "on" and self.quantize:
-            raise ValueError("--fast-path on batches rows of many sessions, which --quantize int8 must not "
-                             "(its activation scales span the batch)")
+            raise ValueError("--fast-path on takes unquantized models (--quantize int8's activation scales span "
+                             "the batch; int4 is a CPU kernel)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
 
@@ -330,7 +354,8 @@ class CausalLM:
         # since torch's intra-op thread count is per OS thread.
         self.threads = torch.get_num_threads()
         path, kwargs = _resolve(spec)
-        load_dtype = torch.float32 if spec.quantize else DTYPES[spec.dtype]
+        load_dtype = torch.float32 if spec.quantize == "int8" else DTYPES[spec.dtype]
+        self._unquantized = None  # int4: the model before packing, kept for the prefill weights
 
         def load():
             model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype, **kwargs)
@@ -341,6 +366,15 @@ class CausalLM:
 
                 # Only the decoder layers: the tied embedding / LM head stays exact.
                 model.model.layers = quantize_dynamic(model.model.layers, {torch.nn.Linear}, dtype=torch.qint8)
+            if spec.quantize == "int4":
+                import copy
+
+                from specdec.quantized import quantize_int4
+
+                if spec.prefill_dtype != "none":
+                    self._unquantized = copy.deepcopy(model)
+                if quantize_int4(model.model.layers) == 0:
+                    raise ValueError("--quantize int4 found no bias-free linear with a width divisible by 32")
             vocab_size = int(model.get_output_embeddings().weight.shape[0])  # rows of the LM head
             if spec.cpu_linear == "onednn":
                 use_onednn_linears(model)
@@ -414,12 +448,16 @@ class CausalLM:
         choice = spec.prefill_dtype
         if choice == "auto":
             choice = self._fastest_prefill_dtype(spec)
-        if choice == "none" or choice == spec.dtype or self.slots is None or spec.quantize:
+        plain, self._unquantized = self._unquantized, None
+        if spec.quantize == "int4" and plain is not None and choice != "none" and self.slots is not None:
+            twin = plain.to(DTYPES[choice])  # int4 decodes; prompts run through the unpacked weights
+        elif choice == "none" or choice == spec.dtype or self.slots is None or spec.quantize:
             return None
-        import copy
+        else:
+            import copy
 
-        twin = copy.deepcopy(self.model).to(DTYPES[choice])
-        if onednn_applies(self.device.type, choice, spec.quantize) and torch.backends.mkldnn.is_available():
+            twin = copy.deepcopy(self.model).to(DTYPES[choice])
+        if onednn_applies(self.device.type, choice, None) and torch.backends.mkldnn.is_available():
             use_onednn_linears(twin)  # prefill rows are many-row GEMMs: oneDNN's prepacked kernels
         return SlotForward(twin, self.max_context)
 
@@ -431,11 +469,15 @@ class CausalLM:
         batch well, with AVX512-FP16 / AMX-FP16 float16 ones do. Decided from the CPU's flags,
         not timed at start: two services loading side by side made such timings meaningless.
         On CUDA every dtype batches: no copy."""
-        if self.device.type != "cpu" or spec.quantize or self.slots is None or spec.dtype == "float32":
+        if self.device.type != "cpu" or spec.quantize == "int8" or self.slots is None or spec.dtype == "float32":
             return "none"
         flags = _cpu_flags()
         native = {"float16": {"avx512_fp16", "amx_fp16"}, "bfloat16": {"avx512_bf16", "amx_bf16"}}
-        if flags & native[spec.dtype]:
+        if spec.quantize == "int4":
+            # The int4 kernel's many-row product is slower than a GEMM of unpacked weights
+            # (a 200-token prefill of the 135M model: 306 ms, bfloat16 on AMX 94 ms).
+            choice = "bfloat16" if flags & native["bfloat16"] else "float32"
+        elif flags & native[spec.dtype]:
             choice = "none"
         elif flags & native["bfloat16"]:
             choice = "bfloat16"
@@ -495,7 +537,7 @@ class CausalLM:
             # Dynamic int8 quantization scales activations per tensor, i.e. over every row of
             # a batch: batched rows would change each other's logits and seeded output would
             # depend on batch composition, so quantized models run one row at a time.
-            chunks = [[i] for i in idx] if self.spec.quantize else ([idx] if idx else [])
+            chunks = [[i] for i in idx] if self.spec.quantize == "int8" else ([idx] if idx else [])
             for chunk in chunks:
                 logits = fwd.forward([rows[i] for i in chunk])
                 for i, part in zip(chunk, torch.split(logits, [rows[i].keep for i in chunk])):

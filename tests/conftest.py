@@ -31,8 +31,10 @@ def verifier_proc():
 @pytest.fixture(scope="session")
 def drafter_proc():
     """The embedded weights in float16 throughout, prompts included (acceptance ~1: its drafts are
-    the target's argmax); the services' default adds a bfloat16 prefill copy (test_goodput.py)."""
-    with start_service("drafter", ["--max-draft-tokens", "8", "--prefill-dtype", "none", "--log-level", "WARNING"],
+    the target's argmax) on every host; the services' default may pick int4 weights and a
+    prefill copy (test_goodput.py, test_quantized.py)."""
+    with start_service("drafter", ["--max-draft-tokens", "8", "--prefill-dtype", "none", "--quantize", "none",
+                                   "--log-level", "WARNING"],
                        threads=SERVICE_THREADS) as svc:
         yield svc
 
