@@ -229,17 +229,28 @@ def test_a_long_prompt_does_not_stall_the_other_sessions(capped_pair):
     assert max(gaps) < prefill / 3, f"a gap of {max(gaps):.3f} s during a {prefill:.3f} s prefill"
 
 
-def test_first_token_is_not_delayed_by_a_slow_drafter_prefill(verifier_proc, drafter_proc):
-    """A drafter whose prompt prefill is slow for real (float16 multi-token rows on a CPU,
-    no float32 prefill copy: conftest's drafter): the first token is the verifier's alone, so
-    speculative TTFT stays close to target-only TTFT, though the drafter takes far longer to
-    prefill."""
+@pytest.fixture(scope="module")
+def slow_prefill_drafter():
+    """A drafter whose prompt prefill is slow for real on any CPU: it runs prompts in chunks of
+    6 tokens per engine step (`--max-num-batched-tokens 6`), so a 150-token prompt takes ~25
+    forwards where the verifier takes one. (float16 rows without a prefill copy were slow only
+    on AVX2; a host with AVX512-FP16 prefills them as fast as the float32 target.)"""
+    with start_service("drafter", ["--max-draft-tokens", "4", "--max-num-batched-tokens", "6", "--quantize", "none",
+                                   "--prefill-dtype", "none", "--log-level", "WARNING"],
+                       threads=SERVICE_THREADS) as drafter:
+        yield drafter
+
+
+def test_first_token_is_not_delayed_by_a_slow_drafter_prefill(verifier_proc, slow_prefill_drafter):
+    """With a drafter whose prompt prefill is slow, the first token is the verifier's alone,
+    so speculative TTFT stays close to target-only TTFT, though the drafter takes far longer
+    to prefill."""
     from client.speculative import SpeculativeClient
     from specdec.sampling import SamplingParams
     from specdec_rpc import specdec_pb2 as pb
 
     prompt = " ".join(["Speculative decoding drafts tokens with a small model and verifies them."] * 12)
-    with SpeculativeClient(verifier_proc.address, drafter=drafter_proc.address) as client:
+    with SpeculativeClient(verifier_proc.address, drafter=slow_prefill_drafter.address) as client:
         ids = client.encode_prompt(prompt)
         params = SamplingParams(temperature=0, max_tokens=8)
         client.generate(ids, params.replace(max_tokens=2))  # warm-up
