@@ -92,8 +92,8 @@ class ModelSpec:
             raise ValueError(f"--device must be cpu or cuda[:N], got {self.device!r}")
         if self.quantize not in (None, "none", "int8", "int4", "auto"):
             raise ValueError(f"--quantize must be none, int8, int4 or auto, got {self.quantize!r}")
-        if self.quantize == "auto":
-            object.__setattr__(self, "quantize", _auto_quantize(self.device))
+        if self.quantize == "auto":  # --fast-path on asks for the unquantized static forward
+            object.__setattr__(self, "quantize", None if self.fast_path == "on" else _auto_quantize(self.device))
         if self.quantize == "none":
             object.__setattr__(self, "quantize", None)
         if self.quantize == "int4":

@@ -67,6 +67,7 @@ def test_int4_refuses_cuda_and_computes_in_bfloat16():
     assert ModelSpec(quantize="int4", dtype="float16").dtype == "bfloat16"
     assert ModelSpec(quantize="none").quantize is None
     assert ModelSpec(quantize="auto", device="cuda").quantize is None
+    assert ModelSpec(quantize="auto", fast_path="on").quantize is None  # the static forward is unquantized
 
 
 @pytest.fixture(scope="module")
