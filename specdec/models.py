@@ -373,8 +373,8 @@ class CausalLM:
 
                 if spec.prefill_dtype != "none":
                     self._unquantized = copy.deepcopy(model)
-                if quantize_int4(model.model.layers) == 0:
-                    raise ValueError("--quantize int4 found no bias-free linear with a width divisible by 32")
+                if quantize_int4(model.model.layers) == 0:  # widths not multiples of 32: nothing packs
+                    log.warning("--quantize int4: no decoder linear of this model packs; it runs unquantized")
             vocab_size = int(model.get_output_embeddings().weight.shape[0])  # rows of the LM head
             if spec.cpu_linear == "onednn":
                 use_onednn_linears(model)
