@@ -217,11 +217,16 @@ def test_drafter_pool_takes_a_late_drafter_balances_and_moves_a_killed_drafters_
 
 
 @pytest.mark.slow
-def test_verifier_pool_moves_a_killed_verifiers_sessions_and_outputs_do_not_change(verifier_proc, drafter_proc):
+def test_verifier_pool_moves_a_killed_verifiers_sessions_and_outputs_do_not_change(verifier_proc,
+                                                                                    int8_drafter_proc):
     """1 drafter + 2 verifiers, 3 greedy and 3 seeded generations at once; one verifier is
     SIGKILLed mid-run: its sessions move to the other one and are re-prefilled; greedy
     outputs equal target-only decoding and seeded outputs equal the same seeded runs
-    without a failure (the verifier's draws depend on the seed and position only)."""
+    without a failure (the verifier's draws depend on the seed and position only). The
+    drafter must give a row the same proposal whatever its batch mates: the int8 drafter
+    runs rows one at a time; float16's batched matmul on an AVX512-FP16 CPU does not keep
+    a row's bits, and its seeded outputs then moved with the batching."""
+    drafter_proc = int8_drafter_proc
     doomed = start_service("verifier", ARGS, threads=1)
     try:
         with SpeculativeClient([verifier_proc.address, doomed.address], drafter=drafter_proc.address,
