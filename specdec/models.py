@@ -60,8 +60,7 @@ def _auto_quantize(device: str) -> str | None:
         return None
     from specdec.quantized import int4_available
 
-    flags = _cpu_flags()
-    return "int4" if flags & {"avx512_bf16", "amx_bf16"} and int4_available() else None
+    return "int4" if _cpu_flags() & NATIVE_HALF_FLAGS["bfloat16"] and int4_available() else None
 
 
 def onednn_applies(device: str, dtype: str, quantize: str | None) -> bool:
@@ -255,6 +254,10 @@ def _free_memory(device: torch.device) -> int:
 PREFILL_MIN_TOKENS = 3  # rows this long take the prefill weights, when a model has them
 
 
+# CPU flags under which a half-precision dtype has native many-row matmul kernels
+NATIVE_HALF_FLAGS = {"float16": {"avx512_fp16", "amx_fp16"}, "bfloat16": {"avx512_bf16", "amx_bf16"}}
+
+
 def _cpu_flags() -> set[str]:
     """The CPU's feature flags (Linux /proc/cpuinfo); empty where unknown."""
     try:
@@ -355,10 +358,10 @@ class CausalLM:
         self.threads = torch.get_num_threads()
         path, kwargs = _resolve(spec)
         load_dtype = torch.float32 if spec.quantize == "int8" else DTYPES[spec.dtype]
-        self._unquantized = None  # int4: the model before packing, kept for the prefill weights
 
         def load():
             model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype, **kwargs)
+            unpacked = None  # int4: the model before packing, for the prefill weights
             if spec.quantize == "int8":
                 if spec.device != "cpu":
                     raise ValueError("--quantize int8 is a CPU option (dynamic int8 quantization)")
@@ -372,24 +375,24 @@ class CausalLM:
                 from specdec.quantized import quantize_int4
 
                 if spec.prefill_dtype != "none":
-                    self._unquantized = copy.deepcopy(model)
+                    unpacked = copy.deepcopy(model)
                 if quantize_int4(model.model.layers) == 0:  # widths not multiples of 32: nothing packs
                     log.warning("--quantize int4: no decoder linear of this model packs; it runs unquantized")
             vocab_size = int(model.get_output_embeddings().weight.shape[0])  # rows of the LM head
             if spec.cpu_linear == "onednn":
                 use_onednn_linears(model)
-            return model.to(spec.device).eval(), vocab_size
+            return model.to(spec.device).eval(), vocab_size, unpacked
 
         # Every tensor op of loading (oneDNN's weight reorder above all: a 1-token step of the
         # target 72 -> 100 ms when it ran on the caller's thread) stays off the serving threads.
-        self.model, self.vocab_size = _on_own_thread(load)
+        self.model, self.vocab_size, unpacked = _on_own_thread(load)
         model = self.model
         self.config = model.config
         self.device = torch.device(spec.device)
         self.eos_token_ids = _eos_ids(self.model.generation_config, self.config)
         self.max_context = _max_context(self.config, spec)
         self.slots = SlotForward(self.model, self.max_context) if slot_supported(self.model) else None
-        self.prefill_slots = _on_own_thread(lambda: self._prefill_forward(spec))
+        self.prefill_slots = _on_own_thread(lambda: self._prefill_forward(spec, unpacked))
         self.tokenizer = load_tokenizer(spec)
         self.tokenizer_fingerprint = tokenizer_fingerprint(self.tokenizer)
         self.fast_path = self._fast_path_wanted(spec)
@@ -432,7 +435,7 @@ class CausalLM:
                  (num_slots + 1) * slot_bytes / 2**30, "on" if self.static.graphs else "off")
         return num_slots
 
-    def _prefill_forward(self, spec: ModelSpec) -> SlotForward | None:
+    def _prefill_forward(self, spec: ModelSpec, unpacked=None) -> SlotForward | None:
         """A second copy of the weights for rows of >= PREFILL_MIN_TOKENS tokens, or None.
 
         Why: on CPUs without AVX512-FP16 / AMX-FP16, float16 matmuls have a fast kernel
@@ -444,19 +447,18 @@ class CausalLM:
         the bfloat16-written prefix makes the float16 drafts slightly less like the
         target's (demo prompts: 1.000 -> 0.984), so it pays off for long prompts only and
         is off by default. The choice depends on the row alone, never on its batch mates.
+        unpacked: an int4 model's weights before packing, which the copy is made of.
         """
         choice = spec.prefill_dtype
         if choice == "auto":
             choice = self._fastest_prefill_dtype(spec)
-        plain, self._unquantized = self._unquantized, None
-        if spec.quantize == "int4" and plain is not None and choice != "none" and self.slots is not None:
-            twin = plain.to(DTYPES[choice])  # int4 decodes; prompts run through the unpacked weights
-        elif choice == "none" or choice == spec.dtype or self.slots is None or spec.quantize:
+        # int4 decodes and its prompts run through the unpacked weights, even in the same dtype
+        if (choice == "none" or self.slots is None or spec.quantize == "int8"
+                or (choice == spec.dtype and unpacked is None)):
             return None
-        else:
-            import copy
+        import copy
 
-            twin = copy.deepcopy(self.model).to(DTYPES[choice])
+        twin = (unpacked if unpacked is not None else copy.deepcopy(self.model)).to(DTYPES[choice])
         if onednn_applies(self.device.type, choice, None) and torch.backends.mkldnn.is_available():
             use_onednn_linears(twin)  # prefill rows are many-row GEMMs: oneDNN's prepacked kernels
         return SlotForward(twin, self.max_context)
@@ -472,7 +474,7 @@ class CausalLM:
         if self.device.type != "cpu" or spec.quantize == "int8" or self.slots is None or spec.dtype == "float32":
             return "none"
         flags = _cpu_flags()
-        native = {"float16": {"avx512_fp16", "amx_fp16"}, "bfloat16": {"avx512_bf16", "amx_bf16"}}
+        native = NATIVE_HALF_FLAGS
         if spec.quantize == "int4":
             # The int4 kernel's many-row product is slower than a GEMM of unpacked weights
             # (a 200-token prefill of the 135M model: 306 ms, bfloat16 on AMX 94 ms).
@@ -536,7 +538,7 @@ class CausalLM:
         for fwd, idx in groups:
             # Dynamic int8 quantization scales activations per tensor, i.e. over every row of
             # a batch: batched rows would change each other's logits and seeded output would
-            # depend on batch composition, so quantized models run one row at a time.
+            # depend on batch composition, so int8 models run one row at a time (int4 is weight-only).
             chunks = [[i] for i in idx] if self.spec.quantize == "int8" else ([idx] if idx else [])
             for chunk in chunks:
                 logits = fwd.forward([rows[i] for i in chunk])

@@ -226,10 +226,9 @@ def test_verifier_pool_moves_a_killed_verifiers_sessions_and_outputs_do_not_chan
     drafter must give a row the same proposal whatever its batch mates: the int8 drafter
     runs rows one at a time; float16's batched matmul on an AVX512-FP16 CPU does not keep
     a row's bits, and its seeded outputs then moved with the batching."""
-    drafter_proc = int8_drafter_proc
     doomed = start_service("verifier", ARGS, threads=1)
     try:
-        with SpeculativeClient([verifier_proc.address, doomed.address], drafter=drafter_proc.address,
+        with SpeculativeClient([verifier_proc.address, doomed.address], drafter=int8_drafter_proc.address,
                                recovery_timeout_s=120) as client:
             prompts = PROMPTS[:3]
             expected = _target_only(client, prompts)
