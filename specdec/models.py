@@ -362,6 +362,7 @@ class CausalLM:
         def load():
             model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype, **kwargs)
             unpacked = None  # int4: the model before packing, for the prefill weights
+            vocab_size = int(model.get_output_embeddings().weight.shape[0])  # rows of the LM head
             if spec.quantize == "int8":
                 if spec.device != "cpu":
                     raise ValueError("--quantize int8 is a CPU option (dynamic int8 quantization)")
@@ -372,13 +373,15 @@ class CausalLM:
             if spec.quantize == "int4":
                 import copy
 
-                from specdec.quantized import quantize_int4
+                from specdec.quantized import Int8WeightLinear, quantize_int4
 
                 if spec.prefill_dtype != "none":
                     unpacked = copy.deepcopy(model)
                 if quantize_int4(model.model.layers) == 0:  # widths not multiples of 32: nothing packs
                     log.warning("--quantize int4: no decoder linear of this model packs; it runs unquantized")
-            vocab_size = int(model.get_output_embeddings().weight.shape[0])  # rows of the LM head
+                head = model.get_output_embeddings()
+                if isinstance(head, torch.nn.Linear) and head.bias is None:
+                    model.set_output_embeddings(Int8WeightLinear(head))  # the tied input embedding stays
             if spec.cpu_linear == "onednn":
                 use_onednn_linears(model)
             return model.to(spec.device).eval(), vocab_size, unpacked

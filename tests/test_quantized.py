@@ -9,7 +9,7 @@ import torch
 
 from client.launcher import start_service
 from specdec.models import CausalLM, ModelSpec
-from specdec.quantized import GROUP_SIZE, Int4WeightLinear, int4_available, quantize_groups
+from specdec.quantized import GROUP_SIZE, Int4WeightLinear, Int8WeightLinear, int4_available, quantize_groups
 from tests.conftest import SERVICE_THREADS
 
 pytestmark = pytest.mark.skipif(not int4_available(), reason="this torch build has no CPU int4 kernel")
@@ -51,8 +51,21 @@ def test_int4_linear_computes_x_times_the_dequantized_weight():
     assert float((out.float() - lin(x.float())).abs().max()) < 0.1 * float(lin(x.float()).abs().max())
 
 
-def test_int4_rows_do_not_depend_on_their_batch_mates():
-    packed = Int4WeightLinear(_linear(128, 4 * GROUP_SIZE, seed=2))
+def test_int8_head_computes_x_times_the_dequantized_weight():
+    lin = _linear(256, 96, seed=4)
+    head = Int8WeightLinear(lin)
+    assert head.qweight.dtype == torch.int8 and int(head.qweight.abs().max()) == 127  # each row's max maps to 127
+    deq = head.qweight.float() * head.scales.float()[:, None]  # [N, K]
+    x = torch.randn(3, 96).bfloat16()
+    out = head(x)
+    assert out.shape == (3, 256) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), x.float() @ deq.T, atol=0.02, rtol=0.02)
+    assert float((out.float() - lin(x.float())).abs().max()) < 0.05 * float(lin(x.float()).abs().max())
+
+
+@pytest.mark.parametrize("kind", [Int4WeightLinear, Int8WeightLinear])
+def test_int4_and_int8_rows_do_not_depend_on_their_batch_mates(kind):
+    packed = kind(_linear(128, 4 * GROUP_SIZE, seed=2))
     torch.manual_seed(3)
     row = torch.randn(1, 4 * GROUP_SIZE).bfloat16()
     alone = packed(row)[0]
@@ -81,6 +94,9 @@ def test_int4_drafter_mostly_agrees_with_the_target(int4_lm, target_lm):
     along the target's own greedy continuations; float16 measured ~1.00 and int4 ~0.98 on the
     embedded model, a broken packing would fall to ~0."""
     assert int4_lm.prefill_slots is not None and int4_lm.spec.display_name.endswith("[bfloat16+int4]")
+    # int8 LM head; the tied input embedding keeps its bfloat16 weights
+    assert isinstance(int4_lm.model.lm_head, Int8WeightLinear) and int4_lm.vocab_size == 49152
+    assert int4_lm.model.model.embed_tokens.weight.dtype == torch.bfloat16
     agree = total = 0
     for prompt in ("The capital of France is", "Here is a recipe for pancakes:", "def fibonacci(n):"):
         ids = target_lm.tokenizer(prompt)["input_ids"]
