@@ -60,7 +60,8 @@ def _auto_quantize(device: str) -> str | None:
         return None
     from specdec.quantized import int4_available
 
-    return "int4" if _cpu_flags() & NATIVE_HALF_FLAGS["bfloat16"] and int4_available() else None
+    # The probe runs the kernels once: off this thread, which may become a serving one (_on_own_thread)
+    return "int4" if _cpu_flags() & NATIVE_HALF_FLAGS["bfloat16"] and _on_own_thread(int4_available) else None
 
 
 def onednn_applies(device: str, dtype: str, quantize: str | None) -> bool:
