@@ -14,7 +14,7 @@ from specdec.batching import WorkItem
 from specdec.models import CausalLM, ModelSpec, Row
 from specdec.proposals import Proposal, ProposalBuilder, ProposalFormat
 from specdec.sampling import STREAM_DRAFT, SamplingParams, position_uniforms, process_logits
-from specdec.serving import EngineConfig, EngineLoad, ServingModel
+from specdec.serving import DeviceTimer, EngineConfig, EngineLoad, ServingModel
 from specdec.sessions import Session
 from specdec.slot_forward import KVSlot, copy_prefix
 from specdec.speculation import Branch, SpeculationCache, SpeculationJob
@@ -46,8 +46,8 @@ class _Request:
     submitted: float = field(default_factory=time.perf_counter)
     queue_ms: float | None = None  # set at the request's first step
     started: bool = False  # its first batch looked for a pre-drafted branch already
-    # The engine steps it took part in: [steps, ms, rows, tokens] summed (EngineLoad is their mean).
-    steps: list[float] = field(default_factory=lambda: [0, 0.0, 0, 0])
+    # The engine steps it took part in: [steps, ms, rows, tokens, device ms] summed (EngineLoad is their mean).
+    steps: list[float] = field(default_factory=lambda: [0, 0.0, 0, 0, 0.0])
 
     @property
     def key(self) -> tuple:
@@ -133,11 +133,13 @@ class DrafterEngine(Drafter):
         for r in reqs:
             if r.queue_ms is None:
                 r.queue_ms = (start - r.submitted) * 1e3
+                self.phases.observe("queue", r.queue_ms)
             if not r.started:
                 r.started = True
                 self._resume_branch(r)
         running = self.note_running([r.session.session_id for r in reqs])
         forwards = 0
+        timer = DeviceTimer(self.lm.device)
         stepped = [r for r in reqs if r.pending]  # the requests whose rows the next forward runs, in row order
         for r in reqs:
             if not r.pending:
@@ -145,6 +147,8 @@ class DrafterEngine(Drafter):
         while stepped:
             t_step = time.perf_counter()
             rows = self._plan_step(stepped)
+            prepared = time.perf_counter()
+            timer.start()
             logits = self.lm.forward_rows([Row(r.session.cache, chunk, 1) for r, chunk in rows])  # [1, V] each
             forwards += 1
             drafting = []
@@ -153,7 +157,11 @@ class DrafterEngine(Drafter):
                 r.pending = r.pending[len(chunk):]
                 if not r.pending and len(r.drafts) < r.num_draft_tokens:
                     drafting.append((r, self._propose(r.session.tokens, r.key, r.builder, row_logits)))
-            for (r, _), token in zip(drafting, _read_tokens([t for _, t in drafting])):
+            timer.stop()
+            tokens = _read_tokens([t for _, t in drafting])
+            synced = time.perf_counter()
+            device_ms = timer.ms()
+            for (r, _), token in zip(drafting, tokens):
                 r.builder.commit(token)
                 r.drafts.append(token)
                 # Every draft but the last is appended, so the next step drafts after it.
@@ -166,9 +174,12 @@ class DrafterEngine(Drafter):
                 r.steps[1] += step_ms
                 r.steps[2] += len(rows)
                 r.steps[3] += step_tokens
+                r.steps[4] += device_ms
             for r, _ in rows:
                 if not r.pending:
                     self._settle(pending_items.pop(id(r)), r, running)
+            end = time.perf_counter()
+            self.phases.step((prepared - t_step) * 1e3, device_ms, (end - synced) * 1e3, (end - t_step) * 1e3)
             stepped = [r for r in stepped if r.pending]
             if stepped and not any(r.drafts for r in stepped):
                 break  # only prefills left: let the next batch take new arrivals along
@@ -189,9 +200,11 @@ class DrafterEngine(Drafter):
         return rows
 
     def _settle(self, item: WorkItem, r: _Request, running: int) -> None:
-        steps, ms, rows, tokens = r.steps
+        steps, ms, rows, tokens, device_ms = r.steps
+        mean_ms, mean_device_ms = (ms / steps, device_ms / steps) if steps else (0.0, 0.0)
         load = EngineLoad(running_sessions=running, step_rows=round(rows / steps) if steps else 0,
-                          step_tokens=round(tokens / steps) if steps else 0, step_ms=ms / steps if steps else 0.0,
+                          step_tokens=round(tokens / steps) if steps else 0, step_ms=mean_ms,
+                          device_ms=mean_device_ms, host_ms=max(mean_ms - mean_device_ms, 0.0),
                           queue_ms=r.queue_ms or 0.0)
         try:
             out = self._finish(r, load)

@@ -318,9 +318,14 @@ def counter_uniforms(
     return _srl(h, 11).double() * (1.0 / (1 << 53))
 
 
+def seed_tensor(seeds: Sequence[int]) -> torch.Tensor:
+    """[B] int64 holding the uint64 bit patterns of request seeds (`counter_uniforms`' input)."""
+    return torch.tensor([_signed64(s) for s in seeds], dtype=torch.int64)
+
+
 def position_uniforms(seed: int, stream: int, positions: list[int]) -> torch.Tensor:
     """[len(positions), 2] float64 draws of one request (see `counter_uniforms`)."""
-    seeds = torch.tensor([_signed64(seed)], dtype=torch.int64)
+    seeds = seed_tensor([seed])
     return counter_uniforms(seeds, stream, torch.tensor([positions], dtype=torch.int64).reshape(1, -1))[0]
 
 

@@ -12,6 +12,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from specdec.batching import BatchPolicy, BatchScheduler, WorkItem
 from specdec.errors import InvalidArgument, OutOfRange, ResourceExhausted
 from specdec.models import CausalLM, ModelSpec, tokenizer_source
@@ -47,6 +49,70 @@ class EngineLoad:
     step_ms: float = 0.0  # engine time of that step (drafter: mean per step)
     queue_ms: float = 0.0  # wait before the call's first step
     speculation_disabled: bool = False  # the verifier's --speculative-disable-by-batch-size is reached
+    device_ms: float = 0.0  # of step_ms: the forward and the sampler on the device (drafter: mean per step)
+    host_ms: float = 0.0  # of step_ms: the engine thread's own work around them (drafter: mean per step)
+
+
+class DeviceTimer:
+    """Device time of one stretch of a step. On CUDA two events bracket the queued work and are
+    read after the step's own host sync (no extra synchronisation); on a CPU the work runs
+    in the calls themselves, so their wall time is the device time."""
+
+    def __init__(self, device) -> None:
+        self._cuda = torch.device(device).type == "cuda"
+        self._t0 = self._t1 = 0.0
+        if self._cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if self._cuda:
+            self._start.record()
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._cuda:
+            self._end.record()
+        self._t1 = time.perf_counter()
+
+    def ms(self) -> float:
+        """Call after the results were read back (the host has waited for the device)."""
+        if self._cuda:
+            self._end.synchronize()
+            return self._start.elapsed_time(self._end)
+        return (self._t1 - self._t0) * 1e3
+
+
+# Bucket upper bounds (ms) of the step phase histograms: from a CUDA-graph step to a CPU prefill.
+PHASE_BUCKETS_MS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 1000.0)
+PHASES = ("queue", "prepare", "device", "reply", "step")
+
+
+class StepPhases:
+    """Where engine time goes, per phase: `queue` (a request's wait before its first step),
+    `prepare` (host work before the device work is queued), `device` (forward + sampler),
+    `reply` (host work after it: bookkeeping, settling the callers) and `step` (the whole
+    step). Written by the engine thread only; read by the metrics scrape (a torn read of a
+    bucket is one observation off, never a crash)."""
+
+    def __init__(self) -> None:
+        self.counts = {p: [0] * (len(PHASE_BUCKETS_MS) + 1) for p in PHASES}  # last: +Inf
+        self.sums_ms = dict.fromkeys(PHASES, 0.0)
+
+    def observe(self, phase: str, ms: float) -> None:
+        i = 0
+        while i < len(PHASE_BUCKETS_MS) and ms > PHASE_BUCKETS_MS[i]:
+            i += 1
+        self.counts[phase][i] += 1
+        self.sums_ms[phase] += ms
+
+    def step(self, prepare_ms: float, device_ms: float, reply_ms: float, step_ms: float) -> None:
+        for phase, ms in (("prepare", prepare_ms), ("device", device_ms), ("reply", reply_ms), ("step", step_ms)):
+            self.observe(phase, ms)
+
+    def mean_ms(self, phase: str) -> float:
+        n = sum(self.counts[phase])
+        return self.sums_ms[phase] / n if n else 0.0
 
 
 RUNNING_WINDOW_S = 2.0  # a session that called within this many seconds counts as running
@@ -154,6 +220,7 @@ class ServingModel:
             name=self.role, idle=self._idle,
         )
         self.stats = ServingStats()
+        self.phases = StepPhases()
         self.running = RunningSessions()
         self.info = ModelInfo(
             role=self.role,

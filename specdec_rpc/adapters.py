@@ -293,9 +293,11 @@ def run_until_signal(server: grpc.Server, grace_s: float = 5.0) -> None:
 def load_to_pb(load: EngineLoad) -> pb.EngineLoad:
     return pb.EngineLoad(running_sessions=load.running_sessions, step_rows=load.step_rows,
                          step_tokens=load.step_tokens, step_ms=load.step_ms, queue_ms=load.queue_ms,
-                         speculation_disabled=load.speculation_disabled)
+                         speculation_disabled=load.speculation_disabled, device_ms=load.device_ms,
+                         host_ms=load.host_ms)
 
 
 def load_from_pb(msg: pb.EngineLoad) -> EngineLoad:
     return EngineLoad(running_sessions=msg.running_sessions, step_rows=msg.step_rows, step_tokens=msg.step_tokens,
-                      step_ms=msg.step_ms, queue_ms=msg.queue_ms, speculation_disabled=msg.speculation_disabled)
+                      step_ms=msg.step_ms, queue_ms=msg.queue_ms, speculation_disabled=msg.speculation_disabled,
+                      device_ms=msg.device_ms, host_ms=msg.host_ms)

@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from specdec.serving import PHASE_BUCKETS_MS, PHASES
 from specdec_rpc import specdec_pb2 as pb
 
 log = logging.getLogger("specdec.rpc")
@@ -341,6 +342,15 @@ _GAUGES = {
 }
 
 
+_PHASE_DOC = {
+    "queue": "a request's wait for the engine before its first step",
+    "prepare": "host work of a step before its device work is queued (batch, sampling inputs)",
+    "device": "device time of a step: forward and sampler (CUDA events on a GPU)",
+    "reply": "host work of a step after its device work: bookkeeping and settling the callers",
+    "step": "wall time of an engine step",
+}
+
+
 class EngineCollector:
     """Reads `engine.snapshot_stats()` at scrape time, so the engines keep no metric code.
     Keys it does not know are exported as gauges `specdec_engine_<key>`."""
@@ -371,6 +381,17 @@ class EngineCollector:
             hist = HistogramMetricFamily("specdec_batch_size", "requests per batched forward", labels=["role"])
             hist.add_metric([role], buckets, sum_value=sum(size * n for size, n in sizes.items()))
             yield hist
+        phases = getattr(self.engine, "phases", None)
+        if phases is not None:  # where engine time goes, per step (queue: per request)
+            for phase in PHASES:
+                hist = HistogramMetricFamily(f"specdec_engine_{phase}_seconds", _PHASE_DOC[phase], labels=["role"])
+                counts, total = list(phases.counts[phase]), 0
+                buckets = []
+                for le, n in zip([*PHASE_BUCKETS_MS, None], counts):
+                    total += n
+                    buckets.append(("+Inf" if le is None else str(le / 1e3), total))
+                hist.add_metric([role], buckets, sum_value=phases.sums_ms[phase] / 1e3)
+                yield hist
         rate = GaugeMetricFamily("specdec_acceptance_rate", "accepted / proposed draft tokens since start",
                                  labels=["role"])
         drafted = stats.get("draft_tokens", 0)

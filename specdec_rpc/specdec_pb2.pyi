@@ -181,20 +181,24 @@ class DraftResponse(_message.Message):
     def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., kv_length: _Optional[int] = ..., cached_draft_tokens: _Optional[int] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("running_sessions", "step_rows", "step_tokens", "step_ms", "queue_ms", "speculation_disabled")
+    __slots__ = ("running_sessions", "step_rows", "step_tokens", "step_ms", "queue_ms", "speculation_disabled", "device_ms", "host_ms")
     RUNNING_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     STEP_ROWS_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_DISABLED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MS_FIELD_NUMBER: _ClassVar[int]
+    HOST_MS_FIELD_NUMBER: _ClassVar[int]
     running_sessions: int
     step_rows: int
     step_tokens: int
     step_ms: float
     queue_ms: float
     speculation_disabled: bool
-    def __init__(self, running_sessions: _Optional[int] = ..., step_rows: _Optional[int] = ..., step_tokens: _Optional[int] = ..., step_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., speculation_disabled: _Optional[bool] = ...) -> None: ...
+    device_ms: float
+    host_ms: float
+    def __init__(self, running_sessions: _Optional[int] = ..., step_rows: _Optional[int] = ..., step_tokens: _Optional[int] = ..., step_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., speculation_disabled: _Optional[bool] = ..., device_ms: _Optional[float] = ..., host_ms: _Optional[float] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session_id", "truncate_to", "append_token_ids", "draft_token_ids", "proposal", "sampling", "prompt_length")
@@ -239,6 +243,28 @@ class VerifyResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     load: EngineLoad
     def __init__(self, output_token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., kv_length: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ...) -> None: ...
+
+class VerifyBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[VerifyRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ...) -> None: ...
+
+class VerifyResult(_message.Message):
+    __slots__ = ("code", "message", "response")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    response: VerifyResponse
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[VerifyResponse, _Mapping]] = ...) -> None: ...
+
+class VerifyBatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[VerifyResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

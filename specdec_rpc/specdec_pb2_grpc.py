@@ -298,6 +298,11 @@ class VerifierStub:
                 request_serializer=specdec_dot_v1_dot_specdec__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_specdec__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyBatch = channel.unary_unary(
+                '/specdec.v1.Verifier/VerifyBatch',
+                request_serializer=specdec_dot_v1_dot_specdec__pb2.VerifyBatchRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_specdec__pb2.VerifyBatchResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/specdec.v1.Verifier/GetStats',
                 request_serializer=specdec_dot_v1_dot_specdec__pb2.StatsRequest.SerializeToString,
@@ -332,6 +337,12 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyBatch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -360,6 +371,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=specdec_dot_v1_dot_specdec__pb2.VerifyRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_specdec__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyBatch,
+                    request_deserializer=specdec_dot_v1_dot_specdec__pb2.VerifyBatchRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_specdec__pb2.VerifyBatchResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -475,6 +491,33 @@ class Verifier:
             '/specdec.v1.Verifier/Verify',
             specdec_dot_v1_dot_specdec__pb2.VerifyRequest.SerializeToString,
             specdec_dot_v1_dot_specdec__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.Verifier/VerifyBatch',
+            specdec_dot_v1_dot_specdec__pb2.VerifyBatchRequest.SerializeToString,
+            specdec_dot_v1_dot_specdec__pb2.VerifyBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,8 +15,10 @@ from specdec.batching import WorkItem
 from specdec.errors import InvalidArgument
 from specdec.models import Row
 from specdec.proposals import IDS_ONLY, Proposal, decode_proposal
-from specdec.sampling import GREEDY, REJECTION, STREAM_VERIFY, SamplingParams, position_uniforms, process_logits, top_logprobs
-from specdec.serving import EngineLoad, ServingModel
+from specdec.sampling import (
+    GREEDY, REJECTION, STREAM_VERIFY, SamplingParams, counter_uniforms, process_logits, seed_tensor, top_logprobs,
+)
+from specdec.serving import DeviceTimer, EngineLoad, ServingModel
 from specdec.sessions import Session
 from specdec.verification import PLACEHOLDER_TOKEN_ID, resolve_backend, speculative_sample
 
@@ -122,7 +124,11 @@ class VerifierEngine(ServingModel):
     def _run_batch(self, items: list[WorkItem]) -> list[WorkItem]:
         """One forward of at most max_batched_tokens tokens. Requests that fit whole are verified;
         a longer append (a prompt) takes a chunk of what is left and comes back in the next
-        step (returned unfinished), so it never stalls the others' rounds for more than a chunk."""
+        step (returned unfinished), so it never stalls the others' rounds for more than a chunk.
+
+        Host work is a few tensor builds for the whole batch (one host-to-device copy per
+        sampler input, draws from the counter hash of every row at once, logits processed per
+        group of rows that share their parameters) and one device-to-host read of the results."""
         start = time.perf_counter()
         reqs, chunks, waiting = self._plan_step([it.payload for it in items])
         unfinished = {id(r) for r in waiting} | {id(r) for r, _ in chunks}
@@ -131,76 +137,126 @@ class VerifierEngine(ServingModel):
         for r in reqs + [r for r, _ in chunks]:
             if r.queue_ms is None:
                 r.queue_ms = (start - r.submitted) * 1e3
+                self.phases.observe("queue", r.queue_ms)
         # Fresh for the window while a long prompt's chunks run; counted after the step (below).
         self.running.touch([r.session.session_id for r in reqs + [r for r, _ in chunks]], time.monotonic())
         step_tokens = sum(len(row.token_ids) for row in rows)
+        timer = DeviceTimer(self.lm.device)
         if not reqs:  # prefill chunks only
+            prepared = time.perf_counter()
+            timer.start()
             self.lm.forward_rows(rows)
+            timer.stop()
             self.stats.add(forwards=1)
             self._advance_chunks(chunks)
+            end = time.perf_counter()
+            device_ms = timer.ms()
+            self.phases.step((prepared - start) * 1e3, device_ms, (end - prepared) * 1e3 - device_ms,
+                             (end - start) * 1e3)
             return [it for it in items if id(it.payload) in unfinished]
-        vocab = self.lm.vocab_size
-        k_max = max(len(r.draft_token_ids) for r in reqs)
-        b = len(reqs)
         dev = self.lm.device  # the sampler runs where the logits are: on a GPU, no copy of [B, K + 1, V] back
-        # The sampler's host-built inputs, copied to the device before the forward is queued, so
-        # that the copies wait for nothing and the sampler is queued right behind the forward.
+        inputs = self._sampler_inputs(reqs)
+        # Copied to the device before the forward is queued, so that the copies wait for nothing
+        # and the sampler is queued right behind the forward.
+        sampler_args = {name: value.to(dev) if isinstance(value, torch.Tensor) else value
+                        for name, value in inputs.items()}
+        prepared = time.perf_counter()
+        timer.start()
+        logits = self.lm.forward_rows(rows)[:len(reqs)]  # B x [K_b + 1, V]; the chunks' logits are not needed
+        target = self._process_logits(reqs, logits)  # [B, K + 1, V]
+        out = speculative_sample(target, backend=self.sampler_backend, **sampler_args)
+        timer.stop()
+        # The batch's only device-to-host transfer: the accepted counts and the emitted ids.
+        results = torch.cat([out.num_accepted[:, None], out.output_token_ids], dim=1).tolist()  # [B, 1 + K + 1]
+        synced = time.perf_counter()
+        device_ms = timer.ms()
+        self._advance_chunks(chunks)
+        self.stats.add(forwards=1)
+        # Counted after the step: sessions that arrived while it ran count in its replies too (the
+        # first reply to sessions starting together would otherwise see only the first of them).
+        running = self.note_running([])
+        step_ms = (synced - start) * 1e3
+        load = EngineLoad(running_sessions=running, step_rows=len(rows), step_tokens=step_tokens, step_ms=step_ms,
+                          speculation_disabled=0 < self.config.speculative_disable_by_batch_size <= running,
+                          device_ms=device_ms, host_ms=max(step_ms - device_ms, 0.0))
+        by_request = {id(it.payload): it for it in items}
+        for i, r in enumerate(reqs):
+            item = by_request[id(r)]
+            try:
+                item.future.set_result(self._finish(r, target[i], results[i][0], results[i][1:],
+                                                    dataclasses.replace(load, queue_ms=r.queue_ms)))
+            except Exception as exc:  # noqa: BLE001 - this request alone fails
+                item.future.set_exception(exc)
+        end = time.perf_counter()
+        self.phases.step((prepared - start) * 1e3, device_ms, (end - prepared) * 1e3 - device_ms,
+                         (end - start) * 1e3)
+        return [it for it in items if id(it.payload) in unfinished]
+
+    def _sampler_inputs(self, reqs: list[_Request]) -> dict:
+        """The sampler's inputs for the whole batch, built on the host in a few tensor ops."""
+        b = len(reqs)
+        num_draft = [len(r.draft_token_ids) for r in reqs]
+        k_max = max(num_draft)
+        vocab = self.lm.vocab_size
         drafts = torch.full((b, k_max), PLACEHOLDER_TOKEN_ID, dtype=torch.long)  # [B, K]
-        draws = torch.zeros(b, k_max + 1, 2, dtype=torch.float64)  # [B, K + 1, 2]
+        if k_max:
+            flat = [t for r in reqs for t in r.draft_token_ids]
+            rows = torch.repeat_interleave(torch.arange(b), torch.tensor(num_draft))
+            cols = torch.cat([torch.arange(k) for k in num_draft])
+            drafts[rows, cols] = torch.tensor(flat, dtype=torch.long)
+        random_rows = [i for i, r in enumerate(reqs) if r.params.method != GREEDY]
+        draws = None
+        if random_rows:
+            # [B, K + 1, 2]: counter-based draws of every row's positions at once; rows past
+            # K_b + 1 and greedy rows are never read.
+            seeds = seed_tensor([r.session.seed_for(r.params) for r in reqs])
+            first = torch.tensor([r.session.length + len(r.append_token_ids) for r in reqs], dtype=torch.int64)
+            draws = counter_uniforms(seeds, STREAM_VERIFY, first[:, None] + torch.arange(k_max + 1)[None, :])
         q = q_sums = None
         if any(r.q is not None for r in reqs):
             q = torch.ones(b, k_max, vocab)  # [B, K, V]; rows of requests without q are ignored (one-hot or unused)
             q_sums = torch.ones(b, k_max)  # [B, K]
-        for i, r in enumerate(reqs):
-            k = len(r.draft_token_ids)
-            first_pos = r.session.length + len(r.append_token_ids)  # absolute position of draft 0
-            drafts[i, :k] = torch.tensor(r.draft_token_ids, dtype=torch.long)
-            if r.params.method != GREEDY:
-                draws[i, : k + 1] = position_uniforms(r.session.seed_for(r.params), STREAM_VERIFY,
-                                                      list(range(first_pos, first_pos + k + 1)))
-            if q is not None:
+            for i, r in enumerate(reqs):
+                k = num_draft[i]
                 if r.q is not None:
                     q[i, :k] = r.q
                     q_sums[i, :k] = r.q_sums
                 else:  # one-hot q of an ids-only proposal: (p - q)+ is p without the draft
                     q[i, :k] = 0.0
                     q[i, torch.arange(k), drafts[i, :k]] = 1.0
-        random_rows = any(r.params.method != GREEDY for r in reqs)
-        sampler_args = dict(
-            draft_token_ids=drafts.to(dev),
-            draft_probs=None if q is None else q.to(dev),
-            num_draft=torch.tensor([len(r.draft_token_ids) for r in reqs]).to(dev),
-            draws=draws.to(dev) if random_rows else None,
+        return dict(
+            draft_token_ids=drafts,
+            draft_probs=q,
+            num_draft=torch.tensor(num_draft),
+            draws=draws,
             methods=[r.params.method for r in reqs],
-            posterior_threshold=torch.tensor([r.params.posterior_threshold for r in reqs]).to(dev),
-            posterior_alpha=torch.tensor([r.params.posterior_alpha for r in reqs]).to(dev),
-            q_sums=None if q_sums is None else q_sums.to(dev),
+            posterior_threshold=torch.tensor([r.params.posterior_threshold for r in reqs]),
+            posterior_alpha=torch.tensor([r.params.posterior_alpha for r in reqs]),
+            q_sums=q_sums,
         )
-        logits = self.lm.forward_rows(rows)[:b]  # B x [K_b + 1, V]; the chunks' logits are not needed
-        self._advance_chunks(chunks)
-        target = torch.zeros(b, k_max + 1, vocab, device=dev)  # [B, K + 1, V]; rows past K_b + 1 are never read
-        for i, (r, lg) in enumerate(zip(reqs, logits)):
-            ctx = self.token_context(r.session.tokens + r.append_token_ids, r.prompt_length)
-            target[i, : len(r.draft_token_ids) + 1] = process_logits(lg, r.params, ctx, r.draft_token_ids)
-        out = speculative_sample(target, backend=self.sampler_backend, **sampler_args)
-        self.stats.add(forwards=1)
-        # The batch's only device-to-host transfers: the accepted counts and the emitted ids.
-        accepted, emitted = out.num_accepted.tolist(), out.output_token_ids.tolist()
-        # Counted after the step: sessions that arrived while it ran count in its replies too (the
-        # first reply to sessions starting together would otherwise see only the first of them).
-        running = self.note_running([])
-        load = EngineLoad(running_sessions=running, step_rows=len(rows), step_tokens=step_tokens,
-                          step_ms=(time.perf_counter() - start) * 1e3,
-                          speculation_disabled=0 < self.config.speculative_disable_by_batch_size <= running)
-        by_request = {id(it.payload): it for it in items}
+
+    def _process_logits(self, reqs: list[_Request], logits: list[torch.Tensor]) -> torch.Tensor:
+        """B x [K_b + 1, V] raw logits -> [B, K + 1, V] processed target distributions. Rows
+        that share their sampling parameters (and need no context: no penalties, no min_tokens)
+        are processed as one stack; the processors are row-wise, so a row's values are the same
+        as alone. Rows past K_b + 1 are never read."""
+        b, vocab = len(reqs), self.lm.vocab_size
+        widths = [len(r.draft_token_ids) + 1 for r in reqs]
+        target = torch.zeros(b, max(widths), vocab, device=self.lm.device)
+        groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(reqs):
-            item = by_request[id(r)]
-            try:
-                item.future.set_result(self._finish(r, target[i], accepted[i], emitted[i],
-                                                    dataclasses.replace(load, queue_ms=r.queue_ms)))
-            except Exception as exc:  # noqa: BLE001 - this request alone fails
-                item.future.set_exception(exc)
-        return [it for it in items if id(it.payload) in unfinished]
+            p = r.params
+            if p.min_tokens or p.has_penalties:
+                ctx = self.token_context(r.session.tokens + r.append_token_ids, r.prompt_length)
+                target[i, : widths[i]] = process_logits(logits[i], p, ctx, r.draft_token_ids)
+            else:
+                groups.setdefault((p.greedy, p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
+        for idx in groups.values():
+            stacked = process_logits(torch.cat([logits[i] for i in idx]), reqs[idx[0]].params)  # [sum K_b + 1, V]
+            rows = torch.repeat_interleave(torch.tensor(idx), torch.tensor([widths[i] for i in idx]))
+            cols = torch.cat([torch.arange(widths[i]) for i in idx])
+            target[rows.to(target.device), cols.to(target.device)] = stacked
+        return target
 
     def _plan_step(self, reqs: list[_Request]) -> tuple[list[_Request], list[tuple[_Request, list[int]]], list[_Request]]:
         """Split a step's token budget as vLLM's chunked prefill does: decode rounds first (a
