@@ -144,6 +144,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     v.add_argument("--max-batch-size", type=_positive("--max-batch-size"), default=32)
     v.add_argument("--max-wait-ms", type=float, default=10.0)
     v.add_argument("--service-threads", type=_positive("--service-threads"), default=2)
+    v.add_argument("--batched", action="store_true",
+                   help="one client thread sends every session's round of a step in one VerifyBatch call")
     v.add_argument("--json", default=None)
 
     from bench import engine as bench_engine, sampler as bench_sampler  # torch is imported by now anyway

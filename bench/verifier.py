@@ -6,6 +6,14 @@ fixed time. Random drafts make every round cost one (γ+1)-token forward row and
 token, so the numbers isolate the verifier: scored tokens/s = rounds × (γ+1) / s. Batch
 sizes come from the server's own counters (requests / batches). Concurrency 1 is measured
 in the same run and every row reports its throughput relative to it.
+
+`--batched`: one client thread carries all C sessions and sends each step's rounds in one
+VerifyBatch call (the batched front), instead of C threads with a unary Verify each.
+
+Against the engine: every reply carries the step's device time and rows (EngineLoad), so
+each level also reports what the engine's own step allows, engine rows/s = rows per step ×
+1000 / device ms per step, and efficiency = rounds/s ÷ engine rows/s: the share of the
+engine's rate that the service around it delivers. Host ms = step wall time − device ms.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ from specdec_rpc.adapters import CHANNEL_OPTIONS
 
 
 def _worker(stub, gamma: int, prompt_len: int, vocab: int, max_context: int, seconds: float, seed: int,
-            latencies: list[float], rounds: list[int], index: int, start: threading.Barrier) -> None:
+            latencies: list[float], rounds: list[int], index: int, start: threading.Barrier,
+            loads: list) -> None:
     rng = random.Random(seed)
     greedy = pb.SamplingParams(temperature=0.0)
     sid = None
@@ -43,6 +52,7 @@ def _worker(stub, gamma: int, prompt_len: int, vocab: int, max_context: int, sec
             r = stub.Verify(pb.VerifyRequest(session_id=sid, truncate_to=kv, append_token_ids=[last],
                                              draft_token_ids=drafts, sampling=greedy), timeout=120)
             latencies.append(time.perf_counter() - t0)
+            loads.append(r.load)
             kv, last = r.kv_length, r.output_token_ids[-1]
             rounds[index] += 1  # counted as it goes: a later failure keeps what was measured
     except BaseException:
@@ -56,24 +66,75 @@ def _worker(stub, gamma: int, prompt_len: int, vocab: int, max_context: int, sec
                 pass
 
 
-def run_level(address: str, concurrency: int, gamma: int, prompt_len: int, seconds: float) -> dict:
+def _batched_worker(stub, concurrency: int, gamma: int, prompt_len: int, vocab: int, max_context: int,
+                    seconds: float, latencies: list[float], rounds: list[int], loads: list,
+                    start: threading.Barrier) -> None:
+    """All sessions in one thread: every step is one VerifyBatch of every session's round."""
+    rng = random.Random(1000)
+    greedy = pb.SamplingParams(temperature=0.0)
+    sids: list[str] = []
+    try:
+        sids = [stub.OpenSession(pb.OpenSessionRequest(), timeout=60).session_id for _ in range(concurrency)]
+        prompts = [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in sids]
+        kv, last = [0] * concurrency, [0] * concurrency
+        for i, (sid, prompt) in enumerate(zip(sids, prompts)):  # prompts unary: the step loop is what is measured
+            r = stub.Verify(pb.VerifyRequest(session_id=sid, append_token_ids=prompt, sampling=greedy), timeout=120)
+            kv[i], last[i] = r.kv_length, r.output_token_ids[-1]
+        start.wait(timeout=300)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            batch = pb.VerifyBatchRequest()
+            for i, sid in enumerate(sids):
+                if kv[i] + 1 + gamma >= max_context:
+                    kv[i], last[i] = prompt_len - 1, prompts[i][-1]
+                batch.requests.append(pb.VerifyRequest(
+                    session_id=sid, truncate_to=kv[i], append_token_ids=[last[i]],
+                    draft_token_ids=[rng.randrange(100, vocab) for _ in range(gamma)], sampling=greedy))
+            t0 = time.perf_counter()
+            reply = stub.VerifyBatch(batch, timeout=120)
+            elapsed = time.perf_counter() - t0
+            for i, res in enumerate(reply.results):
+                if res.code != 0:
+                    raise RuntimeError(f"VerifyBatch entry {i} failed: code {res.code}: {res.message}")
+                kv[i], last[i] = res.response.kv_length, res.response.output_token_ids[-1]
+                latencies.append(elapsed)
+                loads.append(res.response.load)
+            rounds[0] += concurrency
+    except BaseException:
+        start.abort()
+        raise
+    finally:
+        for sid in sids:
+            try:
+                stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+            except grpc.RpcError:
+                pass
+
+
+def run_level(address: str, concurrency: int, gamma: int, prompt_len: int, seconds: float,
+              batched: bool = False) -> dict:
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         stub = pb_grpc.VerifierStub(channel)
         info = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=60)
         before = stub.GetStats(pb.StatsRequest(), timeout=10)
         latencies: list[float] = []
+        loads: list = []
         rounds = [0] * concurrency
         errors: list[BaseException] = []
-        start = threading.Barrier(concurrency + 1)
+        start = threading.Barrier((1 if batched else concurrency) + 1)
 
         def run(i: int) -> None:
             try:
-                _worker(stub, gamma, prompt_len, info.vocab_size, info.max_context, seconds, 1000 + i, latencies,
-                        rounds, i, start)
+                if batched:
+                    _batched_worker(stub, concurrency, gamma, prompt_len, info.vocab_size, info.max_context, seconds,
+                                    latencies, rounds, loads, start)
+                else:
+                    _worker(stub, gamma, prompt_len, info.vocab_size, info.max_context, seconds, 1000 + i, latencies,
+                            rounds, i, start, loads)
             except BaseException as exc:  # noqa: BLE001 - reported below
                 errors.append(exc)
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(concurrency)]
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(1 if batched else concurrency)]
         for t in threads:
             t.start()
         try:
@@ -91,17 +152,32 @@ def run_level(address: str, concurrency: int, gamma: int, prompt_len: int, secon
     batches = max(after.batches - before.batches, 1)
     lat_ms = np.asarray(latencies) * 1000
     total_rounds = sum(rounds)
+    # Per engine step, as the replies saw it (a round-weighted mean over the steps that served them).
+    device_ms = float(np.mean([x.device_ms for x in loads])) if loads else 0.0
+    step_ms = float(np.mean([x.step_ms for x in loads])) if loads else 0.0
+    step_rows = float(np.mean([x.step_rows for x in loads])) if loads else 0.0
+    rounds_per_s = total_rounds / elapsed
+    engine_rows_per_s = step_rows * 1000 / device_ms if device_ms else None
     return {
         "concurrency": concurrency,
         "gamma": gamma,
+        "front": "batched" if batched else "unary",
         "rounds": total_rounds,
         "duration_s": round(elapsed, 3),
-        "rounds_per_s": round(total_rounds / elapsed, 2),
+        "rounds_per_s": round(rounds_per_s, 2),
         "scored_tokens_per_s": round(total_rounds * (gamma + 1) / elapsed, 1),
         # requests include each session's prefill; the mean is over everything the server batched
         "mean_batch_size": round(requests / batches, 2),
         "p50_round_ms": round(float(np.percentile(lat_ms, 50)), 1) if len(lat_ms) else None,
         "p99_round_ms": round(float(np.percentile(lat_ms, 99)), 1) if len(lat_ms) else None,
+        "mean_step_ms": round(step_ms, 3),
+        "mean_device_ms": round(device_ms, 3),
+        "mean_host_ms": round(max(step_ms - device_ms, 0.0), 3),
+        "mean_step_rows": round(step_rows, 2),
+        "host_ms_per_row": round(max(step_ms - device_ms, 0.0) / step_rows, 4) if step_rows else None,
+        # what the engine's own step allows at this batch, and the share of it the service delivers
+        "engine_rows_per_s": round(engine_rows_per_s, 1) if engine_rows_per_s else None,
+        "efficiency": round(rounds_per_s / engine_rows_per_s, 3) if engine_rows_per_s else None,
     }
 
 
@@ -121,7 +197,8 @@ def run(args) -> int:
     try:
         rows = []
         for c in levels:
-            rows.append(run_level(address, c, args.num_speculative_tokens, args.prompt_len, args.seconds))
+            rows.append(run_level(address, c, args.num_speculative_tokens, args.prompt_len, args.seconds,
+                                  batched=args.batched))
             base = rows[0]["scored_tokens_per_s"]
             r = rows[-1]
             r["speedup_vs_first"] = round(r["scored_tokens_per_s"] / base, 2) if base else None
@@ -130,6 +207,10 @@ def run(args) -> int:
                   f"({r['rounds_per_s']:.1f} rounds/s, mean batch {r['mean_batch_size']:.1f}, "
                   f"p50 {r['p50_round_ms']} ms, p99 {r['p99_round_ms']} ms)  {ratio} "
                   f"vs concurrency {levels[0]}", flush=True)
+            eff = "n/a" if r["efficiency"] is None else f"{r['efficiency']:.0%}"
+            print(f"                 step {r['mean_step_ms']:.2f} ms = device {r['mean_device_ms']:.2f} + host "
+                  f"{r['mean_host_ms']:.2f} ms ({r['mean_step_rows']:.1f} rows); engine allows "
+                  f"{r['engine_rows_per_s'] or 0:.0f} rows/s; efficiency {eff}", flush=True)
     finally:
         if service is not None:
             service.stop()

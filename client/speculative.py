@@ -17,6 +17,7 @@ from typing import Iterator, Sequence
 
 import grpc
 
+from client.batching import VerifyBatcher
 from client.pool import Server, ServerPool, parse_addresses
 from specdec.adaptive import AdaptiveGamma, ServingCosts
 from specdec.models import ModelSpec, load_tokenizer, tokenizer_fingerprint
@@ -61,6 +62,12 @@ class GenerationResult:
     ttft_s: float = 0.0
     draft_time_s: float = 0.0  # time spent in Draft calls (client side)
     verify_time_s: float = 0.0  # time spent in Verify calls (client side)
+    # Engine time behind those calls, as the services reported it (EngineLoad): the device time
+    # and the wall time of the verifier steps that served its rounds, and the drafter's device
+    # time of the draft steps it ran for them. verify_time_s - verify_device_s is the host path.
+    verify_device_s: float = 0.0
+    verify_step_s: float = 0.0
+    draft_device_s: float = 0.0
     token_times_s: list[float] = field(default_factory=list)  # arrival time of each generated token, from start
     target_only: bool = False
     # One entry per generated token when SamplingParams.logprobs is set: its logprob under
@@ -143,6 +150,7 @@ class SpeculativeClient:
         auth_token: str | None = None,
         recovery_timeout_s: float = 60.0,
         fanout: int = 0,
+        batch_verify: bool = False,
     ) -> None:
         """verifier, drafter: HOST:PORT, or a pool of several (a sequence, or one
         comma-separated string). Each generation keeps one verifier and one drafter session,
@@ -156,7 +164,10 @@ class SpeculativeClient:
         turns on the drafter's speculation cache: while the verifier scores a round, the
         drafter pre-drafts the next one for its top-`fanout` bonus candidates.
         num_speculative_tokens: γ, or "auto" (default): γ in [0, 8] per round, chosen for
-        goodput from the load the services report (specdec/adaptive.py)."""
+        goodput from the load the services report (specdec/adaptive.py). batch_verify: the
+        rounds of this client's concurrent generations on one verifier travel together, one
+        VerifyBatch call per step (client/batching.py; for clients that carry many
+        generations: the gateway, `bench`); output is the same as with unary calls."""
         self.timeout_s = timeout_s
         self.num_speculative_tokens = num_speculative_tokens
         self.proposal_format = proposal_format
@@ -170,6 +181,7 @@ class SpeculativeClient:
         self._closing_lock = threading.Lock()
         self._costs: dict[str, ServingCosts] = {}  # per verifier address: its load model
         self._costs_lock = threading.Lock()
+        self._batchers: dict[str, VerifyBatcher] | None = {} if batch_verify else None  # per verifier address
 
         def pool(role: str, addresses: list[str], stub_class) -> ServerPool:
             servers = []
@@ -243,7 +255,19 @@ class SpeculativeClient:
         """The first listed drafter, or None without drafters (generations use `drafters`)."""
         return self.drafters.servers[0].stub if self.drafters is not None else None
 
+    def _verify(self, server: Server, request: pb.VerifyRequest, timeout: float) -> pb.VerifyResponse:
+        """One round on `server`: unary, or batched with this client's other generations."""
+        if self._batchers is None:
+            return server.stub.Verify(request, timeout=timeout)
+        with self._costs_lock:
+            batcher = self._batchers.get(server.address)
+            if batcher is None:
+                batcher = self._batchers[server.address] = VerifyBatcher(server.stub, server.address)
+        return batcher.verify(request, timeout)
+
     def close(self) -> None:
+        for batcher in list((self._batchers or {}).values()):
+            batcher.close()
         with self._closing_lock:
             pending, self._closing = self._closing, []
         for future in pending:  # drafter sessions closing in the background: let them finish
@@ -447,7 +471,7 @@ class SpeculativeClient:
                     if proposal is not None:
                         req.proposal.CopyFrom(proposal)
                     try:
-                        vresp = verifier.server.stub.Verify(req, timeout=timeout)
+                        vresp = self._verify(verifier.server, req, timeout)
                         break
                     except grpc.RpcError as exc:
                         if exc.code() not in _VERIFIER_LOST or time.monotonic() > give_up:
@@ -461,6 +485,8 @@ class SpeculativeClient:
                         result.verifier_recoveries += 1
                 now = time.perf_counter()
                 result.verify_time_s += now - ts
+                result.verify_device_s += vresp.load.device_ms / 1e3
+                result.verify_step_s += vresp.load.step_ms / 1e3
                 # One engine step (no chunked prompt, no background prefill of ours competing for a
                 # shared host's cores) is a sample of the verifier's step cost.
                 costs.observe_verify(load_from_pb(vresp.load), now - ts,
@@ -570,6 +596,8 @@ class SpeculativeClient:
         if len(committed) - keep <= 2 and resp.cached_draft_tokens == 0 and drafts:
             link.observed = (load_from_pb(resp.load), time.perf_counter() - ts, len(drafts))
         result.proposal_bytes += len(resp.proposal.probs) + len(resp.proposal.token_ids)
+        # device ms is a mean per draft step; pre-drafted (cached) drafts ran no step for this call
+        result.draft_device_s += resp.load.device_ms * max(len(drafts) - resp.cached_draft_tokens, 0) / 1e3
         result.cached_draft_tokens += resp.cached_draft_tokens
         result.speculation_hits += int(0 < len(drafts) == resp.cached_draft_tokens)
         link.kv = committed + drafts[:-1]

@@ -84,6 +84,14 @@ class BatchScheduler:
         self._queue.put(item)
         return item.future.result()
 
+    def submit_many(self, payloads: list[Any]) -> list[Future]:
+        """Queue several items at once (one client step of many sessions); they can share a
+        batch. The caller waits on the returned futures."""
+        items = [WorkItem(p) for p in payloads]
+        for item in items:
+            self._queue.put(item)
+        return [item.future for item in items]
+
     def shutdown(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=30)

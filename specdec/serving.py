@@ -322,6 +322,21 @@ class ServingModel:
         self.stats.add(requests=1)
         return result
 
+    def submit_many(self, payloads: list) -> list[object]:
+        """`submit` for several requests at once: every one is queued before any is waited
+        for, so they share a step. Returns per request its result or the exception it raised."""
+        now = time.monotonic()
+        self.running.touch([p.session.session_id for p in payloads if getattr(p, "session", None)], now)
+        out: list[object] = []
+        for future in self.scheduler.submit_many(payloads):
+            try:
+                out.append(future.result())
+                self.stats.add(requests=1)
+            except Exception as exc:  # noqa: BLE001 - this request alone failed
+                self.stats.add(failed_requests=1)
+                out.append(exc)
+        return out
+
     def note_running(self, session_ids, now: float | None = None) -> int:
         """Engine thread: mark `session_ids` as running; returns how many sessions run now."""
         now = time.monotonic() if now is None else now

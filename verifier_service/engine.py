@@ -42,6 +42,20 @@ class VerifyOut:
     load: EngineLoad = EngineLoad()
 
 
+@dataclass(frozen=True)
+class VerifyCall:
+    """One session's round, as Verify / VerifyBatch carry it."""
+
+    session_id: str
+    truncate_to: int
+    append_token_ids: list[int]
+    draft_token_ids: list[int]
+    proposal: Proposal | None
+    params: SamplingParams
+    prompt_length: int = 0
+    owner: str | None = None  # the caller's credential hash: someone else's session is NOT_FOUND
+
+
 STARVED_STEPS = 4  # steps a prompt may get no tokens before it goes ahead of shorter ones
 
 
@@ -62,6 +76,19 @@ class _Request:
     def width(self) -> int:
         """Tokens its final step runs: the rest of the append and every draft."""
         return len(self.append_token_ids) + len(self.draft_token_ids)
+
+
+def _join_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """B x [T_b, V] -> [sum T_b, V]: a view when the parts are consecutive slices of one buffer
+    (the slot forward splits one [N, V] output), else a copy."""
+    first = parts[0]
+    offset = first.storage_offset()
+    for p in parts:
+        if (not p.is_contiguous() or p.storage_offset() != offset
+                or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return torch.cat(parts)
+        offset += p.numel()
+    return first.as_strided((sum(p.shape[0] for p in parts), first.shape[1]), (first.shape[1], 1))
 
 
 class VerifierEngine(ServingModel):
@@ -97,12 +124,51 @@ class VerifierEngine(ServingModel):
         owner: str | None = None,
     ) -> VerifyOut:
         """Validates (before the session is touched), holds the session, waits for its batch."""
-        k = len(draft_token_ids)
-        self.check_request(truncate_to, append_token_ids, k, params, draft_field="draft_token_ids",
-                           prompt_length=prompt_length)
-        self.check_token_ids(draft_token_ids, "draft_token_ids")
+        call = VerifyCall(session_id, truncate_to, append_token_ids, draft_token_ids, proposal, params,
+                          prompt_length, owner)
+        q = self._check(call)
+        with self.sessions.use(session_id, truncate_to, owner) as session:
+            return self.submit(self._request(call, session, q))
+
+    def verify_batch(self, calls: list[VerifyCall | Exception]) -> list[VerifyOut | Exception]:
+        """Many sessions' rounds at once (VerifyBatch): each call is checked and holds its
+        session on its own, all are queued before any is waited for, so they share a step.
+        A call that fails (bad input, a busy or unknown session, a failed step) fails alone and
+        its session is cropped back to its truncate_to, as a unary call's would be. An
+        Exception in `calls` (a malformed message) is passed through as that call's result."""
+        results: list[VerifyOut | Exception | None] = [None] * len(calls)
+        held = []  # (index, the session's context manager, request)
+        try:
+            for i, call in enumerate(calls):
+                if isinstance(call, Exception):
+                    results[i] = call
+                    continue
+                try:
+                    q = self._check(call)
+                    cm = self.sessions.use(call.session_id, call.truncate_to, call.owner)
+                    session = cm.__enter__()
+                except Exception as exc:  # noqa: BLE001 - this call alone fails
+                    results[i] = exc
+                    continue
+                held.append((i, cm, self._request(call, session, q)))
+            for (i, cm, _), out in zip(held, self.submit_many([r for _, _, r in held])):
+                results[i] = out
+        finally:
+            for i, cm, _ in held:  # release every session, cropping back the failed ones
+                exc = results[i] if isinstance(results[i], Exception) else None
+                cm.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
+        return results  # type: ignore[return-value]
+
+    def _check(self, call: VerifyCall) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Every check that needs no session; returns the decoded proposal q [K, V] and its row sums."""
+        k = len(call.draft_token_ids)
+        params = call.params
+        self.check_request(call.truncate_to, call.append_token_ids, k, params, draft_field="draft_token_ids",
+                           prompt_length=call.prompt_length)
+        self.check_token_ids(call.draft_token_ids, "draft_token_ids")
         q = None
         if k and params.method == REJECTION:
+            proposal = call.proposal
             if proposal is None:
                 raise InvalidArgument("proposal", "sampled verification of drafts needs the proposal they were drawn from")
             q = decode_proposal(proposal, k, self.lm.vocab_size)
@@ -111,15 +177,18 @@ class VerifierEngine(ServingModel):
             if q is not None:  # (ids-only: q is one-hot on the draft)
                 # A draft its own proposal gives no mass cannot have been sampled from it; accepting
                 # it (u·q < p holds for any p > 0 when q = 0) would bias the output towards such drafts.
-                q_at_draft = q[torch.arange(k), torch.tensor(draft_token_ids, dtype=torch.long)]  # [K]
+                q_at_draft = q[torch.arange(k), torch.tensor(call.draft_token_ids, dtype=torch.long)]  # [K]
                 if not bool((q_at_draft > 0).all()):
                     i = int((q_at_draft > 0).logical_not().nonzero()[0, 0])
-                    raise InvalidArgument("proposal", f"gives draft token {draft_token_ids[i]} at position {i} "
+                    raise InvalidArgument("proposal", f"gives draft token {call.draft_token_ids[i]} at position {i} "
                                                       "probability 0: drafts must be sampled from the proposal sent "
                                                       "with them")
-        with self.sessions.use(session_id, truncate_to, owner) as session:
-            return self.submit(_Request(session, append_token_ids, draft_token_ids, q,
-                                        None if q is None else q.sum(dim=-1), params, prompt_length))
+        return q, None if q is None else q.sum(dim=-1)
+
+    @staticmethod
+    def _request(call: VerifyCall, session: Session, q: tuple) -> _Request:
+        return _Request(session, call.append_token_ids, call.draft_token_ids, q[0], q[1], call.params,
+                        call.prompt_length)
 
     def _run_batch(self, items: list[WorkItem]) -> list[WorkItem]:
         """One forward of at most max_batched_tokens tokens. Requests that fit whole are verified;
@@ -236,26 +305,47 @@ class VerifierEngine(ServingModel):
         )
 
     def _process_logits(self, reqs: list[_Request], logits: list[torch.Tensor]) -> torch.Tensor:
-        """B x [K_b + 1, V] raw logits -> [B, K + 1, V] processed target distributions. Rows
-        that share their sampling parameters (and need no context: no penalties, no min_tokens)
-        are processed as one stack; the processors are row-wise, so a row's values are the same
-        as alone. Rows past K_b + 1 are never read."""
+        """B x [K_b + 1, V] raw logits -> [B, K + 1, V] processed target distributions; rows past
+        K_b + 1 are never read. Each pass over [N, V] costs as much as the LM head's output (on
+        a CPU with a 49k vocabulary it is most of the step), so: rows that share their sampling
+        parameters (and need no context: no penalties, no min_tokens) are processed as one stack
+        (the processors are row-wise, so a row's values are the same as alone); an all-greedy
+        batch without logprobs keeps the raw logits (greedy matching reads only their argmax,
+        which softmax preserves); and when every request has the same width the result is a
+        view, not a scatter into a fresh [B, K + 1, V]."""
         b, vocab = len(reqs), self.lm.vocab_size
         widths = [len(r.draft_token_ids) + 1 for r in reqs]
-        target = torch.zeros(b, max(widths), vocab, device=self.lm.device)
-        groups: dict[tuple, list[int]] = {}
-        for i, r in enumerate(reqs):
-            p = r.params
-            if p.min_tokens or p.has_penalties:
-                ctx = self.token_context(r.session.tokens + r.append_token_ids, r.prompt_length)
-                target[i, : widths[i]] = process_logits(logits[i], p, ctx, r.draft_token_ids)
+        flat = _join_rows(logits)  # [N, V], N = sum of widths
+        contextual = [i for i, r in enumerate(reqs) if r.params.min_tokens or r.params.has_penalties]
+        raw = not contextual and all(r.params.greedy and r.params.logprobs is None for r in reqs)
+        if not raw:
+            starts = [0]
+            for w in widths:
+                starts.append(starts[-1] + w)
+            groups: dict[tuple, list[int]] = {}
+            for i, r in enumerate(reqs):
+                if i not in contextual:
+                    p = r.params
+                    groups.setdefault((p.greedy, p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
+            if len(groups) == 1 and not contextual:
+                flat = process_logits(flat, reqs[0].params)
             else:
-                groups.setdefault((p.greedy, p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
-        for idx in groups.values():
-            stacked = process_logits(torch.cat([logits[i] for i in idx]), reqs[idx[0]].params)  # [sum K_b + 1, V]
-            rows = torch.repeat_interleave(torch.tensor(idx), torch.tensor([widths[i] for i in idx]))
-            cols = torch.cat([torch.arange(widths[i]) for i in idx])
-            target[rows.to(target.device), cols.to(target.device)] = stacked
+                out = torch.empty_like(flat)
+                for idx in groups.values():
+                    rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in idx]).to(flat.device)
+                    out[rows] = process_logits(flat[rows], reqs[idx[0]].params)
+                for i in contextual:
+                    r = reqs[i]
+                    ctx = self.token_context(r.session.tokens + r.append_token_ids, r.prompt_length)
+                    out[starts[i]:starts[i + 1]] = process_logits(flat[starts[i]:starts[i + 1]], r.params, ctx,
+                                                                  r.draft_token_ids)
+                flat = out
+        if len(set(widths)) == 1:
+            return flat.view(b, widths[0], vocab)
+        target = torch.zeros(b, max(widths), vocab, device=flat.device)
+        rows = torch.repeat_interleave(torch.arange(b), torch.tensor(widths)).to(flat.device)
+        cols = torch.cat([torch.arange(w) for w in widths]).to(flat.device)
+        target[rows, cols] = flat
         return target
 
     def _plan_step(self, reqs: list[_Request]) -> tuple[list[_Request], list[tuple[_Request, list[int]]], list[_Request]]:

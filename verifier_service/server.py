@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+
+import grpc
+
+from specdec.errors import SpecDecError
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
-from specdec_rpc.adapters import SessionMethods, load_to_pb, proposal_from_pb, rpc_method, run_until_signal, sampling_from_pb, serve
+from specdec_rpc.adapters import (
+    SessionMethods, load_to_pb, proposal_from_pb, rpc_method, run_until_signal, sampling_from_pb, serve, status_for,
+)
 from specdec_rpc.ops import caller_owner
-from verifier_service.engine import VerifierEngine
+from verifier_service.engine import VerifierEngine, VerifyCall, VerifyOut
+
+
+log = logging.getLogger(__name__)
 
 
 class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
@@ -15,22 +25,53 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
 
     @rpc_method
     def Verify(self, request, context):
-        out = self.engine.verify(
-            request.session_id,
-            request.truncate_to,
-            list(request.append_token_ids),
-            list(request.draft_token_ids),
-            proposal_from_pb(request.proposal, request.HasField("proposal")),
-            sampling_from_pb(request.sampling),
-            prompt_length=request.prompt_length,
-            owner=caller_owner(context),  # someone else's session is NOT_FOUND
-        )
-        return pb.VerifyResponse(
-            output_token_ids=out.output_token_ids, num_accepted=out.num_accepted, kv_length=out.kv_length,
-            logprobs=[pb.TokenLogprobs(logprob=lp.logprob, rank=lp.rank, top_token_ids=lp.top_token_ids,
-                                       top_logprobs=lp.top_logprobs) for lp in out.logprobs or []],
-            load=load_to_pb(out.load),
-        )
+        call = _call(request, caller_owner(context))  # someone else's session is NOT_FOUND
+        return _response(self.engine.verify(call.session_id, call.truncate_to, call.append_token_ids,
+                                            call.draft_token_ids, call.proposal, call.params, call.prompt_length,
+                                            call.owner))
+
+    @rpc_method
+    def VerifyBatch(self, request, context):
+        owner = caller_owner(context)  # someone else's session is NOT_FOUND, per entry
+        calls = []
+        for r in request.requests:
+            try:
+                calls.append(_call(r, owner))
+            except (SpecDecError, ValueError) as exc:  # a malformed entry fails alone
+                calls.append(exc)
+        results = []
+        for out in self.engine.verify_batch(calls):
+            if isinstance(out, VerifyOut):
+                results.append(pb.VerifyResult(code=grpc.StatusCode.OK.value[0], response=_response(out)))
+            else:
+                code, message = _status(out)
+                results.append(pb.VerifyResult(code=code.value[0], message=message))
+        return pb.VerifyBatchResponse(results=results)
+
+
+def _call(request: pb.VerifyRequest, owner: str | None) -> VerifyCall:
+    return VerifyCall(request.session_id, request.truncate_to, list(request.append_token_ids),
+                      list(request.draft_token_ids), proposal_from_pb(request.proposal, request.HasField("proposal")),
+                      sampling_from_pb(request.sampling), request.prompt_length, owner)
+
+
+def _response(out: VerifyOut) -> pb.VerifyResponse:
+    return pb.VerifyResponse(
+        output_token_ids=out.output_token_ids, num_accepted=out.num_accepted, kv_length=out.kv_length,
+        logprobs=[pb.TokenLogprobs(logprob=lp.logprob, rank=lp.rank, top_token_ids=lp.top_token_ids,
+                                   top_logprobs=lp.top_logprobs) for lp in out.logprobs or []],
+        load=load_to_pb(out.load),
+    )
+
+
+def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status a unary Verify would have ended with (rpc_method's mapping)."""
+    if isinstance(exc, SpecDecError):
+        return status_for(exc), str(exc)
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    log.error("VerifyBatch entry failed", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, "Verify failed on the server; see its log"
 
 
 def start(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0, **kwargs):
