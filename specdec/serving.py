@@ -215,13 +215,14 @@ class ServingModel:
             self.lm.new_cache, self.lm.crop, max_sessions=max_sessions, ttl_s=config.session_ttl_s,
             kv_budget_bytes=budget, cache_bytes=self.lm.cache_bytes,
         )
+        self.running = RunningSessions()
         self.scheduler = BatchScheduler(
             self._run_batch, BatchPolicy(config.max_batch_size, config.max_wait_ms), threads=self.lm.threads,
             name=self.role, idle=self._idle,
+            expected=lambda: self.running.count(time.monotonic(), self.sessions.__contains__),
         )
         self.stats = ServingStats()
         self.phases = StepPhases()
-        self.running = RunningSessions()
         self.info = ModelInfo(
             role=self.role,
             model=spec.display_name,

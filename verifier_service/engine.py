@@ -224,7 +224,7 @@ class VerifierEngine(ServingModel):
                              (end - start) * 1e3)
             return [it for it in items if id(it.payload) in unfinished]
         dev = self.lm.device  # the sampler runs where the logits are: on a GPU, no copy of [B, K + 1, V] back
-        inputs = self._sampler_inputs(reqs)
+        inputs = self._sampler_inputs(reqs, dev)
         # Copied to the device before the forward is queued, so that the copies wait for nothing
         # and the sampler is queued right behind the forward.
         sampler_args = {name: value.to(dev) if isinstance(value, torch.Tensor) else value
@@ -261,8 +261,10 @@ class VerifierEngine(ServingModel):
                          (end - start) * 1e3)
         return [it for it in items if id(it.payload) in unfinished]
 
-    def _sampler_inputs(self, reqs: list[_Request]) -> dict:
-        """The sampler's inputs for the whole batch, built on the host in a few tensor ops."""
+    def _sampler_inputs(self, reqs: list[_Request], device: torch.device) -> dict:
+        """The sampler's inputs for the whole batch, built in a few tensor ops. The draws are
+        computed on `device` from [B] seeds and [B] first positions (the counter hash is exact
+        integer arithmetic, so the same on every device): no [B, K + 1, 2] host buffer to copy."""
         b = len(reqs)
         num_draft = [len(r.draft_token_ids) for r in reqs]
         k_max = max(num_draft)
@@ -278,9 +280,10 @@ class VerifierEngine(ServingModel):
         if random_rows:
             # [B, K + 1, 2]: counter-based draws of every row's positions at once; rows past
             # K_b + 1 and greedy rows are never read.
-            seeds = seed_tensor([r.session.seed_for(r.params) for r in reqs])
+            seeds = seed_tensor([r.session.seed_for(r.params) for r in reqs]).to(device)
             first = torch.tensor([r.session.length + len(r.append_token_ids) for r in reqs], dtype=torch.int64)
-            draws = counter_uniforms(seeds, STREAM_VERIFY, first[:, None] + torch.arange(k_max + 1)[None, :])
+            positions = first.to(device)[:, None] + torch.arange(k_max + 1, device=device)[None, :]  # [B, K + 1]
+            draws = counter_uniforms(seeds, STREAM_VERIFY, positions)
         q = q_sums = None
         if any(r.q is not None for r in reqs):
             q = torch.ones(b, k_max, vocab)  # [B, K, V]; rows of requests without q are ignored (one-hot or unused)
