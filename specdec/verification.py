@@ -112,7 +112,7 @@ def _typical_accept(
     return p_draft > threshold
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small host tensor on `device`; on CUDA through pinned memory, so the copy does not
     make the host wait for the work queued before it (a pageable copy synchronizes)."""
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
@@ -124,7 +124,7 @@ def _on_rows(methods: list[str], wanted: set[str], fn, *batch: torch.Tensor) -> 
     rows = [i for i, m in enumerate(methods) if m in wanted]
     if len(rows) == len(methods):
         return fn(*batch)
-    index = _to_device(torch.tensor(rows, dtype=torch.long), batch[0].device)  # [R]
+    index = to_device(torch.tensor(rows, dtype=torch.long), batch[0].device)  # [R]
     out = fn(*(t.index_select(0, index) for t in batch))  # [R, ...]
     return out.new_zeros((len(methods), *out.shape[1:])).index_copy_(0, index, out)
 
@@ -197,7 +197,7 @@ def speculative_sample(
         if len(set(methods)) == 1:  # one rule for the batch: a device fill, no host-to-device copy
             codes = torch.full((b,), triton_verification.METHOD_CODES[methods[0]], dtype=torch.int32, device=device)
         else:
-            codes = _to_device(torch.tensor([triton_verification.METHOD_CODES[m] for m in methods],
+            codes = to_device(torch.tensor([triton_verification.METHOD_CODES[m] for m in methods],
                                             dtype=torch.int32), device)
         out, n = triton_verification.chain_verify(
             target_probs, draft_token_ids, draft_probs, q_sums, num_draft.to(device),
@@ -205,8 +205,8 @@ def speculative_sample(
             codes, target_argmax, typical)
         return VerifyOutput(output_token_ids=out, num_accepted=n, num_emitted=n + 1)
 
-    is_rejection = _to_device(torch.tensor([m == REJECTION for m in methods], dtype=torch.bool), device)  # [B]
-    is_typical = _to_device(torch.tensor([m == TYPICAL for m in methods], dtype=torch.bool), device)
+    is_rejection = to_device(torch.tensor([m == REJECTION for m in methods], dtype=torch.bool), device)  # [B]
+    is_typical = to_device(torch.tensor([m == TYPICAL for m in methods], dtype=torch.bool), device)
     accept = torch.zeros(b, k, dtype=torch.bool, device=device)  # [B, K]
     if target_argmax is not None:
         accept = draft_token_ids == target_argmax[:, :k]

@@ -20,7 +20,7 @@ from specdec.sampling import (
 )
 from specdec.serving import DeviceTimer, EngineLoad, ServingModel
 from specdec.sessions import Session
-from specdec.verification import PLACEHOLDER_TOKEN_ID, resolve_backend, speculative_sample
+from specdec.verification import PLACEHOLDER_TOKEN_ID, to_device, resolve_backend, speculative_sample
 
 log = logging.getLogger(__name__)
 
@@ -224,11 +224,9 @@ class VerifierEngine(ServingModel):
                              (end - start) * 1e3)
             return [it for it in items if id(it.payload) in unfinished]
         dev = self.lm.device  # the sampler runs where the logits are: on a GPU, no copy of [B, K + 1, V] back
-        inputs = self._sampler_inputs(reqs, dev)
-        # Copied to the device before the forward is queued, so that the copies wait for nothing
-        # and the sampler is queued right behind the forward.
-        sampler_args = {name: value.to(dev) if isinstance(value, torch.Tensor) else value
-                        for name, value in inputs.items()}
+        # On the device before the forward is queued: the copies wait for nothing and the
+        # sampler is queued right behind the forward.
+        sampler_args = self._sampler_inputs(reqs, dev)
         prepared = time.perf_counter()
         timer.start()
         logits = self.lm.forward_rows(rows)[:len(reqs)]  # B x [K_b + 1, V]; the chunks' logits are not needed
@@ -262,50 +260,47 @@ class VerifierEngine(ServingModel):
         return [it for it in items if id(it.payload) in unfinished]
 
     def _sampler_inputs(self, reqs: list[_Request], device: torch.device) -> dict:
-        """The sampler's inputs for the whole batch, built in a few tensor ops. The draws are
-        computed on `device` from [B] seeds and [B] first positions (the counter hash is exact
-        integer arithmetic, so the same on every device): no [B, K + 1, 2] host buffer to copy."""
+        """The sampler's inputs for the whole batch. Every per-row integer (drafts, their count,
+        seed, first position) goes to the device in one [B, K + 3] int64 copy and the typical
+        thresholds in one [B, 2] float copy (pinned on CUDA, so neither waits for queued work);
+        the draws are then computed there from seeds and positions (the counter hash is exact
+        integer arithmetic, the same on every device): no [B, K + 1, 2] host buffer at all."""
         b = len(reqs)
         num_draft = [len(r.draft_token_ids) for r in reqs]
-        k_max = max(num_draft)
-        vocab = self.lm.vocab_size
-        drafts = torch.full((b, k_max), PLACEHOLDER_TOKEN_ID, dtype=torch.long)  # [B, K]
-        if k_max:
-            flat = [t for r in reqs for t in r.draft_token_ids]
+        k = max(num_draft)
+        # [B, K + 3] int64: drafts (-1 past K_b) | K_b | seed | absolute position of draft 0
+        ints = torch.full((b, k + 3), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
+        if k:
             rows = torch.repeat_interleave(torch.arange(b), torch.tensor(num_draft))
-            cols = torch.cat([torch.arange(k) for k in num_draft])
-            drafts[rows, cols] = torch.tensor(flat, dtype=torch.long)
-        random_rows = [i for i, r in enumerate(reqs) if r.params.method != GREEDY]
+            cols = torch.cat([torch.arange(n) for n in num_draft])
+            ints[rows, cols] = torch.tensor([t for r in reqs for t in r.draft_token_ids], dtype=torch.long)
+        ints[:, k] = torch.tensor(num_draft)
+        ints[:, k + 1] = seed_tensor([r.session.seed_for(r.params) for r in reqs])
+        ints[:, k + 2] = torch.tensor([r.session.length + len(r.append_token_ids) for r in reqs])
+        floats = torch.tensor([[r.params.posterior_threshold, r.params.posterior_alpha] for r in reqs])  # [B, 2]
+        ints, floats = to_device(ints, device), to_device(floats, device)
+        drafts = ints[:, :k]  # [B, K]
         draws = None
-        if random_rows:
-            # [B, K + 1, 2]: counter-based draws of every row's positions at once; rows past
-            # K_b + 1 and greedy rows are never read.
-            seeds = seed_tensor([r.session.seed_for(r.params) for r in reqs]).to(device)
-            first = torch.tensor([r.session.length + len(r.append_token_ids) for r in reqs], dtype=torch.int64)
-            positions = first.to(device)[:, None] + torch.arange(k_max + 1, device=device)[None, :]  # [B, K + 1]
-            draws = counter_uniforms(seeds, STREAM_VERIFY, positions)
+        if any(r.params.method != GREEDY for r in reqs):
+            # [B, K + 1, 2]: every row's positions at once; rows past K_b + 1 and greedy rows are never read
+            positions = ints[:, k + 2:] + torch.arange(k + 1, device=device)[None, :]  # [B, K + 1]
+            draws = counter_uniforms(ints[:, k + 1], STREAM_VERIFY, positions)
         q = q_sums = None
         if any(r.q is not None for r in reqs):
-            q = torch.ones(b, k_max, vocab)  # [B, K, V]; rows of requests without q are ignored (one-hot or unused)
-            q_sums = torch.ones(b, k_max)  # [B, K]
+            q = torch.ones(b, k, self.lm.vocab_size)  # [B, K, V]; rows of requests without q are ignored
+            q_sums = torch.ones(b, k)  # [B, K]
             for i, r in enumerate(reqs):
-                k = num_draft[i]
+                n = num_draft[i]
                 if r.q is not None:
-                    q[i, :k] = r.q
-                    q_sums[i, :k] = r.q_sums
+                    q[i, :n] = r.q
+                    q_sums[i, :n] = r.q_sums
                 else:  # one-hot q of an ids-only proposal: (p - q)+ is p without the draft
-                    q[i, :k] = 0.0
-                    q[i, torch.arange(k), drafts[i, :k]] = 1.0
-        return dict(
-            draft_token_ids=drafts,
-            draft_probs=q,
-            num_draft=torch.tensor(num_draft),
-            draws=draws,
-            methods=[r.params.method for r in reqs],
-            posterior_threshold=torch.tensor([r.params.posterior_threshold for r in reqs]),
-            posterior_alpha=torch.tensor([r.params.posterior_alpha for r in reqs]),
-            q_sums=q_sums,
-        )
+                    q[i, :n] = 0.0
+                    q[i, torch.arange(n), torch.tensor(r.draft_token_ids)] = 1.0
+            q, q_sums = to_device(q, device), to_device(q_sums, device)
+        return dict(draft_token_ids=drafts, draft_probs=q, num_draft=ints[:, k], draws=draws,
+                    methods=[r.params.method for r in reqs], posterior_threshold=floats[:, 0],
+                    posterior_alpha=floats[:, 1], q_sums=q_sums)
 
     def _process_logits(self, reqs: list[_Request], logits: list[torch.Tensor]) -> torch.Tensor:
         """B x [K_b + 1, V] raw logits -> [B, K + 1, V] processed target distributions; rows past
