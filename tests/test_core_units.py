@@ -209,3 +209,23 @@ def test_kv_budget_evicts_least_recently_used_and_refuses_oversized_sessions():
     tiny = SessionStore(_FakeCache, lambda c, n: None, kv_budget_bytes=50, cache_bytes=lambda c: 100)
     with pytest.raises(ResourceExhausted, match="kv-budget-mb"):
         tiny.open()
+
+
+def test_batched_counter_draws_equal_per_row_draws_and_are_uniform():
+    """The verifier draws a whole step at once: counter_uniforms over [B] seeds and [B, K + 1]
+    positions. Each row equals that request's own position_uniforms (a seed reproduces whatever
+    its batch mates), and H0: the 2,000 x 5 x 2 draws ~ U[0, 1), chi-square over 20 bins; a
+    0.95-scaled copy must be rejected (power)."""
+    from scipy import stats
+
+    from specdec.sampling import counter_uniforms, seed_tensor
+
+    seeds = [(2**64 - 1 - 7919 * i) if i % 2 else 31 * i for i in range(2000)]  # both halves of uint64
+    first = torch.randint(0, 4000, (2000,), generator=torch.Generator().manual_seed(0))
+    u = counter_uniforms(seed_tensor(seeds), 2, first[:, None] + torch.arange(5)[None, :])  # [2000, 5, 2]
+    for i in (0, 1, 999, 1999):
+        assert torch.equal(u[i], position_uniforms(seeds[i], 2, list(range(int(first[i]), int(first[i]) + 5))))
+    counts = torch.histc(u.flatten().float(), bins=20, min=0, max=1).numpy()
+    assert stats.chisquare(counts).pvalue > 0.001
+    biased = torch.histc((u.flatten() * 0.95).float(), bins=20, min=0, max=1).numpy()
+    assert stats.chisquare(biased).pvalue < 0.001
