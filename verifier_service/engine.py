@@ -195,9 +195,10 @@ class VerifierEngine(ServingModel):
         a longer append (a prompt) takes a chunk of what is left and comes back in the next
         step (returned unfinished), so it never stalls the others' rounds for more than a chunk.
 
-        Host work is a few tensor builds for the whole batch (one host-to-device copy per
-        sampler input, draws from the counter hash of every row at once, logits processed per
-        group of rows that share their parameters) and one device-to-host read of the results."""
+        Host work is a few tensor builds for the whole batch (one int64 and one float
+        host-to-device copy, draws from the counter hash of every row at once on the device,
+        logits processed in place per group of rows that share their parameters) and one
+        device-to-host read of the results. Each phase's time goes to `self.phases`."""
         start = time.perf_counter()
         reqs, chunks, waiting = self._plan_step([it.payload for it in items])
         unfinished = {id(r) for r in waiting} | {id(r) for r, _ in chunks}
