@@ -190,3 +190,37 @@ def test_a_batching_client_generates_what_a_unary_client_does(verifier_proc, dra
     unary, batched = run(False), run(True)
     assert all(unary)
     assert batched == unary
+
+
+def test_one_step_mixes_dense_proposals_ids_only_drafts_and_plain_decodes(stub):
+    """Sampled rows of every proposal form in one batch: a dense q, an ids-only draft and no
+    draft at all (an empty draft list once made the step's one-hot fill fail for everyone)."""
+    import numpy as np
+
+    info = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10)
+    sampling = pb.SamplingParams(temperature=1.0, seed=3)
+    sids = [stub.OpenSession(pb.OpenSessionRequest(), timeout=30).session_id for _ in range(3)]
+    try:
+        first = stub.VerifyBatch(pb.VerifyBatchRequest(requests=[
+            pb.VerifyRequest(session_id=sid, append_token_ids=p, sampling=sampling) for sid, p in zip(sids, PROMPTS)]),
+            timeout=60)
+        assert [r.code for r in first.results] == [0, 0, 0]
+        q = np.full((2, info.vocab_size), 1.0 / info.vocab_size, dtype=np.float32)  # uniform: any draft has mass
+        entries = []
+        for i, (sid, r) in enumerate(zip(sids, first.results)):
+            req = pb.VerifyRequest(session_id=sid, truncate_to=r.response.kv_length,
+                                   append_token_ids=list(r.response.output_token_ids), sampling=sampling)
+            if i == 0:
+                req.draft_token_ids.extend([500, 600])
+                req.proposal.CopyFrom(pb.Proposal(kind=pb.DENSE, dtype=pb.FLOAT32, shape=[2, info.vocab_size],
+                                                  probs=q.tobytes()))
+            elif i == 1:
+                req.draft_token_ids.extend([700])
+                req.proposal.CopyFrom(pb.Proposal(kind=pb.IDS_ONLY, shape=[1]))
+            entries.append(req)
+        reply = stub.VerifyBatch(pb.VerifyBatchRequest(requests=entries), timeout=60)
+        assert [r.code for r in reply.results] == [0, 0, 0], [r.message for r in reply.results]
+        assert [len(r.response.output_token_ids) >= 1 for r in reply.results] == [True] * 3
+    finally:
+        for sid in sids:
+            stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)

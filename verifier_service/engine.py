@@ -297,7 +297,7 @@ class VerifierEngine(ServingModel):
                     q_sums[i, :n] = r.q_sums
                 else:  # one-hot q of an ids-only proposal: (p - q)+ is p without the draft
                     q[i, :n] = 0.0
-                    q[i, torch.arange(n), torch.tensor(r.draft_token_ids)] = 1.0
+                    q[i, torch.arange(n), torch.tensor(r.draft_token_ids, dtype=torch.long)] = 1.0
             q, q_sums = to_device(q, device), to_device(q_sums, device)
         return dict(draft_token_ids=drafts, draft_probs=q, num_draft=ints[:, k], draws=draws,
                     methods=[r.params.method for r in reqs], posterior_threshold=floats[:, 0],
