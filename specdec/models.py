@@ -437,6 +437,9 @@ class CausalLM:
         self.static = StaticForward(self.slots, self.pool, max_batch=max_batch, max_width=min(max_width, 32))
         log.info("fast path: %d KV slots of %d positions (%.1f GiB), CUDA graphs %s", num_slots, self.max_context,
                  (num_slots + 1) * slot_bytes / 2**30, "on" if self.static.graphs else "off")
+        if self.static.graphs:  # every bucket now: no request pays a capture inside its step
+            graphs, seconds = self.static.capture_all()
+            log.info("captured %d CUDA graphs in %.1f s", graphs, seconds)
         return num_slots
 
     def _prefill_forward(self, spec: ModelSpec, unpacked=None) -> SlotForward | None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -185,6 +186,22 @@ class StaticForward:
             self._buckets[key] = bucket
         return bucket
 
+    def capture_all(self) -> tuple[int, float]:
+        """Capture every bucket (batch x width x context up to the pool's length) now, so no
+        request pays a capture inside its step; returns (graphs captured, seconds). A no-op
+        without CUDA graphs (the CPU runs eagerly)."""
+        if not self.graphs:
+            return 0, 0.0
+        t0, before = time.perf_counter(), len(self._buckets)
+        contexts = sorted({self.context_bucket(n) for n in range(1, self.max_len + 1)})
+        with torch.inference_mode():
+            for C in contexts:
+                for B in self.batch_buckets:
+                    for T in self.width_buckets:
+                        self._bucket_for(B, T, C)
+        torch.cuda.synchronize(self.device)
+        return len(self._buckets) - before, time.perf_counter() - t0
+
     def _on_device(self):
         """Make the pool's device current: torch.cuda.graph captures on the current device's
         stream, so a model on cuda:1 would otherwise be captured empty."""
@@ -212,7 +229,7 @@ class StaticForward:
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
             out.copy_(self._step(*args))
         bucket.logits, bucket.graph = out, graph
-        log.info("captured CUDA graph B=%d T=%d C=%d", B, T, C)
+        log.debug("captured CUDA graph B=%d T=%d C=%d", B, T, C)
 
     def _step(self, ids: torch.Tensor, slot: torch.Tensor, start: torch.Tensor, nreal: torch.Tensor,
               C: int) -> torch.Tensor:
