@@ -345,8 +345,8 @@ class SpeculativeClient:
 
         The first round never drafts: the verifier prefills the prompt and answers the first
         token as fast as target-only decoding. The drafter prefills when drafts are first
-        wanted, in the background while target-only rounds go on ("auto"; a fixed γ waits for
-        it, so that seeded output stays reproducible)."""
+        wanted, in the background while target-only rounds go on ("auto"; a fixed γ and a
+        seeded request wait for it, so that their rounds, hence their output, reproduce)."""
         gamma_max = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         adaptive = gamma_max == AUTO
         if adaptive:
@@ -372,7 +372,10 @@ class SpeculativeClient:
                 f"prompt length {len(prompt_ids)} + max_tokens {params.max_tokens} exceeds the verifier's "
                 f"maximum context {max_context}"
             )
-        controller = AdaptiveGamma(gamma_min=0, gamma_max=gamma_max) if adaptive and speculative else None
+        # A seeded request's γ schedule follows from its own rounds only (AdaptiveGamma.deterministic):
+        # the seed keys every draw by position, so the same rounds give the same output under any load.
+        controller = (AdaptiveGamma(gamma_min=0, gamma_max=gamma_max, deterministic=params.seed is not None)
+                      if adaptive and speculative else None)
         yield from self._run(prompt_ids, params, gamma_max if speculative else 0, controller, fanout)
 
     # ---- rounds -------------------------------------------------------------------
@@ -437,12 +440,12 @@ class SpeculativeClient:
                     # now, beside the verifier's prefill, on its own device.
                     self._start_prefill(draft_link, committed, sampling, fmt_pb, prompt_length, result)
                 if draft_link.prefill is not None:
-                    # A fixed γ waits for it (its rounds stay reproducible). Adaptive rounds on separate
-                    # devices run one target-only round beside it, then wait when they want drafts.
+                    # A fixed γ and a seeded request wait for it (their rounds reproduce). Adaptive rounds on
+                    # separate devices run one target-only round beside it, then wait when they want drafts.
                     # Both services on CPUs: a session alone waits at once (target-only rounds beside
                     # the prefill would only share its cores); beside other sessions it never waits,
                     # since the drafter then shares the cores with the others' verifies.
-                    if controller is None:
+                    if controller is None or controller.deterministic:
                         block = True
                     else:
                         block = costs.running <= 1 if shared_cpu else waited

@@ -36,7 +36,6 @@ from specdec_rpc import specdec_pb2 as pb
 
 log = logging.getLogger("specdec.gateway")
 
-SEEDED_GAMMA = 4  # the fixed γ of sampled requests that carry a seed, when the gateway's γ is "auto"
 _CONNECT_RETRY_S = (0.5, 10.0)  # backoff of the background connection attempts: first, longest
 HEALTH_TIMEOUT_S = 2.0
 
@@ -224,11 +223,9 @@ class Upstream:
         client = self.require()
         gen = Generation(asyncio.get_running_loop())
         self._generations.add(gen)
+        # A seeded request reproduces under "auto" too: the client derives its γ schedule from its
+        # own rounds only (specdec/adaptive.py, AdaptiveGamma.deterministic).
         gamma = self.config.num_speculative_tokens if client.drafters is not None else 0  # no drafter: target-only
-        if gamma == "auto" and params.seed is not None and not params.greedy:
-            # A seed must reproduce: adaptive γ moves the round boundaries with measured timings, and a
-            # position verified as a draft draws differently from one sampled as a bonus token.
-            gamma = SEEDED_GAMMA
         future = self._executor.submit(gen.run, client, prompt_ids, params, gamma, self.config.fanout)
         future.add_done_callback(lambda _: self._generations.discard(gen))
         return gen

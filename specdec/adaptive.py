@@ -181,6 +181,12 @@ class ServingCosts:
         return new if weight <= 1.0 else self.decay * old + (1 - self.decay) * new
 
 
+# Deterministic mode's cost of one drafted token relative to a verify round: a drafter of
+# about a tenth of the target's cost plus its call. A constant, so the choice of γ depends on
+# acceptance alone: γ 0 below α ~0.15, up to γ_max when α is near 1.
+DETERMINISTIC_DRAFT_COST = 0.15
+
+
 @dataclass
 class AdaptiveGamma:
     gamma_min: int = 1
@@ -192,6 +198,10 @@ class AdaptiveGamma:
     costs: ServingCosts | None = None  # the client's load model: goodput under load (see the module doc)
     probe_every: int = 16  # after this many γ = 0 rounds, one short round re-measures
     probe_gamma: int = 2
+    # A seeded request: γ follows from its own rounds only (acceptance, round count), never from
+    # timings, load or other generations, so the same seed gives the same rounds, hence the
+    # same draws and output, alone or under load. Costs are the nominal DETERMINISTIC_DRAFT_COST.
+    deterministic: bool = False
     _successes: float = 0.0
     _trials: float = 0.0
     # per state (0: the last round rejected a draft, 1: it accepted all): decayed [successes, trials]
@@ -213,8 +223,11 @@ class AdaptiveGamma:
 
     def attach(self, costs: ServingCosts) -> None:
         """Use `costs` as the load model; a generation that has not run a round yet starts
-        from the acceptance of the client's recent generations."""
+        from the acceptance of the client's recent generations (not a deterministic one: that
+        prior depends on what else ran)."""
         self.costs = costs
+        if self.deterministic:
+            return
         if self._trials == self.prior_weight and self._successes == self.prior_alpha * self.prior_weight:
             self.prior_alpha = costs.alpha(self.prior_alpha)
             self._successes = self.prior_alpha * self.prior_weight
@@ -263,9 +276,14 @@ class AdaptiveGamma:
     def best_gamma(self, hi: int) -> int:
         """The model's choice in [gamma_min, hi], without probes or bookkeeping (so a client can
         ask, before its first round, whether this generation will want drafts at all)."""
+        alpha = self.alpha
+        if self.deterministic:
+            def rate(g: int) -> float:
+                return expected_tokens(alpha, g) / (1.0 + g * DETERMINISTIC_DRAFT_COST)
+
+            return max(range(self.gamma_min, max(self.gamma_min, hi) + 1), key=rate)
         if self.costs is not None and self.costs.disabled:
             return self.gamma_min
-        alpha = self.alpha
         if self.costs is not None and self.costs.ready():
             costs = self.costs
 
@@ -285,7 +303,7 @@ class AdaptiveGamma:
         """The γ with the highest expected tokens per second, within [gamma_min, min(gamma_max, limit)]:
         goodput of all running sessions with a load model (`costs`), else this session's own rate."""
         hi = self.gamma_max if limit is None else max(self.gamma_min, min(self.gamma_max, limit))
-        if self.costs is not None and self.costs.disabled:
+        if self.costs is not None and self.costs.disabled and not self.deterministic:
             return self.gamma_min
         best = self.best_gamma(hi)
         self.probing = False
