@@ -124,6 +124,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--concurrency", default=None, help="comma-separated max concurrencies, e.g. 1,2,4")
     w.add_argument("--request-rates", default=None, help="comma-separated request rates, e.g. 1,2,inf")
     w.add_argument("--latency", default="tpot", choices=["tpot", "e2el"], help="x axis of the plot")
+    w.add_argument("--warmup-wave", action=argparse.BooleanOptionalAction, default=True,
+                   help="before each measured run, an unmeasured wave of requests at the point's concurrency and "
+                        "max_tokens (default on), so new batch and width shapes are not paid inside the measurement")
 
     p = sub.add_parser("peer", help="tokens/s of ours (gRPC) vs transformers' assisted generation")
     p.add_argument("--drafter", help="HOST:PORT (with --verifier; default: start both services here)")
@@ -265,7 +268,8 @@ def _sweep(args: argparse.Namespace) -> int:
         raise ValueError("--drafter is required (a sweep runs speculative and target-only)")
     concurrency = parse_points(args.concurrency, "--concurrency", integer=True) if args.concurrency else []
     rates = parse_points(args.request_rates, "--request-rates", integer=False) if args.request_rates else []
-    result = run_sweep(_workload(args, False), concurrency=concurrency, request_rates=rates)
+    result = run_sweep(_workload(args, False), concurrency=concurrency, request_rates=rates,
+                       warmup=args.warmup_wave)
     print(format_sweep(result))
     if args.result_json:
         serve.write_json(result, args.result_json)

@@ -32,17 +32,24 @@ reports them: 0 for the first round and for every target-only round), plus
 `speculative_round_share` (rounds that drafted / all rounds) and `mean_drafts_per_round`
 (the mean γ over all rounds, the γ of the ideal-speedup model below).
 
-System efficiency = measured speedup / ideal speedup, with
-  ideal speedup = E(γ)·c_target / (γ·c_draft + c_verify),  E(γ) = (1 − α^(γ+1)) / (1 − α)
-(E = γ + 1 when α = 1), α the measured acceptance rate, c_draft the client-measured Draft
-time per drafted token (= Draft time per round / γ when every round drafts γ; this form
-does not count the short final rounds as cheap full ones), c_verify the Verify time per
-round of the speculative run, c_target the Verify time per token (= per round) of a
-target-only run of the same workload, and measured speedup = the ratio of
-`output_tokens_per_request_s` (output tokens / summed request latency), which stays
-meaningful per category and at a finite request rate, where both modes merely keep up
-with the arrivals and the run's throughput ratio would be ~1. Without a target-only run
-it is null.
+Against the engines. Every reply carries the engine step's load (EngineLoad): `device_ms`
+(the forward and the sampler on the device) of the verifier step that served a round, and
+the drafter's device ms per draft step. Per mode:
+- `mean_verify_device_ms_per_round`, `mean_verify_step_ms_per_round` (the engine step's wall
+  time), `mean_verify_host_ms_per_round` (the client-measured Verify time minus the device
+  time: engine host work, queueing, gRPC, client) and `mean_draft_device_ms_per_round`;
+- `engine_tokens_per_request_s`: output tokens / the device time of the rounds that
+  produced them (verify + draft steps), summed over requests as `output_tokens_per_request_s`
+  sums latencies: what the engines' own steps allow a request;
+- `engine_efficiency` = `output_tokens_per_request_s` / `engine_tokens_per_request_s`
+  (<= ~1; it falls as host cost, queueing and the wire grow).
+Against a target-only run of the same workload: measured speedup = the ratio of
+`output_tokens_per_request_s` (output tokens / summed request latency: meaningful per
+category and at a finite request rate, where the run's throughput ratio would be ~1);
+ideal speedup = the ratio of `engine_tokens_per_request_s` (from the engines' device times,
+never from measured latencies); `system_efficiency` = measured / ideal speedup (the key kept,
+its meaning new: before, the ideal came from the client-measured call costs and could not
+fall below ~1). Null without a target-only run, or when a service reports no device time.
 
 Per-category metrics use the whole run's duration, so a category's throughput is its
 share of the run's throughput (the categories add up to the total).
@@ -133,6 +140,10 @@ class RequestRecord:
     draft_time: float = 0.0  # client-measured time in Draft calls
     cached_draft_tokens: int = 0  # drafts that came from the drafter's speculation cache
     verify_time: float = 0.0  # client-measured time in Verify calls
+    # Engine time behind those calls, as the services reported it (EngineLoad, see the docstring).
+    verify_device_time: float = 0.0
+    verify_step_time: float = 0.0
+    draft_device_time: float = 0.0
     drafters: list[str] = field(default_factory=list)  # servers its sessions were on (pools), in order
     verifiers: list[str] = field(default_factory=list)
     finish_reason: str | None = None
@@ -299,6 +310,9 @@ def send_request(client: SpeculativeClient, req: BenchRequest, config: WorkloadC
     rec.cached_draft_tokens = result.cached_draft_tokens
     rec.draft_time = result.draft_time_s
     rec.verify_time = result.verify_time_s
+    rec.verify_device_time = getattr(result, "verify_device_s", 0.0)  # 0 from a client without engine times
+    rec.verify_step_time = getattr(result, "verify_step_s", 0.0)
+    rec.draft_device_time = getattr(result, "draft_device_s", 0.0)
     rec.drafters, rec.verifiers = list(result.drafter_addresses), list(result.verifier_addresses)
     rec.finish_reason = result.finish_reason
     return rec
@@ -421,10 +435,33 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float,
         "speculation_cache_hit_rate": _ratio(sum(r.cached_draft_tokens for r in ok), drafts),
         "goodput": None,
     })
+    out.update(engine_metrics(ok, rounds, total_out, out["output_tokens_per_request_s"]))
     if goodput_slos_ms:
         good = sum(meets_slos(r, goodput_slos_ms) for r in ok)
         out["goodput"] = _ratio(good, duration) or 0.0
     return out
+
+
+def engine_metrics(ok: Sequence[RequestRecord], rounds: int, total_out: int,
+                   measured_tokens_per_request_s: float | None) -> dict:
+    """Per round: the verifier's device, step and host ms, the drafter's device ms; the
+    engine-bound tokens/s (output tokens / device time of their rounds) and the measured
+    tokens/s against it. None where the services reported no device time."""
+    verify_device = sum(r.verify_device_time for r in ok)
+    draft_device = sum(r.draft_device_time for r in ok)
+    verify = sum(r.verify_time for r in ok)
+    device = verify_device + draft_device
+    engine_tps = _ratio(total_out, device) if verify_device > 0 else None
+    return {
+        "mean_verify_device_ms_per_round": _ratio(verify_device, rounds, 1000.0) if verify_device > 0 else None,
+        "mean_verify_step_ms_per_round": _ratio(sum(r.verify_step_time for r in ok), rounds, 1000.0)
+        if verify_device > 0 else None,
+        "mean_verify_host_ms_per_round": _ratio(verify - verify_device, rounds, 1000.0) if verify_device > 0 else None,
+        "mean_draft_device_ms_per_round": _ratio(draft_device, rounds, 1000.0) if draft_device > 0 else None,
+        "engine_tokens_per_request_s": engine_tps,
+        "engine_efficiency": _ratio(measured_tokens_per_request_s, engine_tps)
+        if engine_tps and measured_tokens_per_request_s is not None else None,
+    }
 
 
 def expected_tokens_per_round(alpha: float, gamma: int) -> float:
@@ -436,24 +473,18 @@ def expected_tokens_per_round(alpha: float, gamma: int) -> float:
 
 
 def efficiency(spec: dict, base: dict | None) -> dict[str, float | None]:
-    """ideal_speedup, measured_speedup and system_efficiency of a speculative run
-    against a target-only run of the same workload (all None without one). The model
-    takes the mean drafts per round: with any γ some rounds draft none (the first one, a
-    drafter catching up, γ = 0 under load)."""
+    """measured_speedup, ideal_speedup and system_efficiency of a speculative run against a
+    target-only run of the same workload (all None without one): measured = ratio of
+    output_tokens_per_request_s, ideal = ratio of engine_tokens_per_request_s (the engines'
+    device times), system_efficiency = measured / ideal."""
     none = {"ideal_speedup": None, "measured_speedup": None, "system_efficiency": None}
-    if base is None:
-        return none
-    gamma = spec.get("mean_drafts_per_round") or 0
-    alpha = spec.get("acceptance_rate")
-    c_draft = spec.get("mean_draft_time_per_token_ms")
-    c_verify = spec.get("mean_verify_time_per_round_ms")
-    c_target = base.get("mean_verify_time_per_round_ms")
-    if not base.get("output_tokens_per_request_s"):
+    if base is None or not base.get("output_tokens_per_request_s"):
         return none
     measured = (spec.get("output_tokens_per_request_s") or 0.0) / base["output_tokens_per_request_s"]
-    if None in (alpha, c_draft, c_verify, c_target) or not gamma:  # no drafts: nothing to model
+    spec_engine, base_engine = spec.get("engine_tokens_per_request_s"), base.get("engine_tokens_per_request_s")
+    if not spec_engine or not base_engine:
         return {**none, "measured_speedup": measured}
-    ideal = expected_tokens_per_round(alpha, gamma) * c_target / (gamma * c_draft + c_verify)
+    ideal = spec_engine / base_engine
     return {"ideal_speedup": ideal, "measured_speedup": measured, "system_efficiency": measured / ideal}
 
 
@@ -478,12 +509,7 @@ def run_serve(config: WorkloadConfig, client: SpeculativeClient | None = None,
                                    num_speculative_tokens=config.num_speculative_tokens,
                                    timeout_s=_call_timeout(config), recovery_timeout_s=_call_timeout(config))
     try:
-        if config.target_only:
-            gamma = 0
-        elif config.num_speculative_tokens == AUTO:
-            gamma = AUTO
-        else:
-            gamma = client.effective_gamma(config.num_speculative_tokens)
+        gamma = _gamma(client, config)
         requests = build_requests(client, config)
         for req in requests[: config.warmup_requests]:
             client.generate(list(req.prompt_ids), config.params.replace(max_tokens=WARMUP_MAX_TOKENS),
@@ -506,6 +532,27 @@ def run_serve(config: WorkloadConfig, client: SpeculativeClient | None = None,
     if not config.target_only:
         add_efficiency(result, baseline)
     return result
+
+
+def _gamma(client: SpeculativeClient, config: WorkloadConfig) -> int | str:
+    if config.target_only:
+        return 0
+    if config.num_speculative_tokens == AUTO:
+        return AUTO
+    return client.effective_gamma(config.num_speculative_tokens)
+
+
+def warm_up(client: SpeculativeClient, config: WorkloadConfig) -> dict:
+    """One unmeasured wave before a measured point: as many requests as its concurrency
+    (at least 2), all at once with the same max_tokens and mode, so the engines meet every
+    batch size up to it (the batch shrinks as requests end) and the widths γ takes, and pay
+    any first-time cost (CUDA-graph captures, allocator growth, kernel autotuning) here.
+    Returns {"requests", "failed", "seconds"}."""
+    n = max(2, config.max_concurrency or config.num_prompts)
+    wave = config.replace(num_prompts=n, request_rate=math.inf, show_progress=False, seed=config.seed + 7919)
+    t0 = time.perf_counter()
+    records, _ = dispatch(client, build_requests(client, wave), wave, _gamma(client, wave))
+    return {"requests": n, "failed": sum(not r.ok for r in records), "seconds": time.perf_counter() - t0}
 
 
 def assemble_result(config: WorkloadConfig, records: Sequence[RequestRecord], duration: float, *, backend: str,
@@ -623,12 +670,19 @@ def format_result(result: dict) -> str:
     row("Mean rounds per request:", result["mean_rounds_per_request"])
     row("Draft time per drafted token (ms):", result["mean_draft_time_per_token_ms"])
     row("Verify time per round (ms):", result["mean_verify_time_per_round_ms"])
+    section("Against the engines")
+    row("Verify device ms per round:", result.get("mean_verify_device_ms_per_round"))
+    row("Verify engine step ms per round:", result.get("mean_verify_step_ms_per_round"))
+    row("Verify host ms per round:", result.get("mean_verify_host_ms_per_round"))
+    row("Draft device ms per round:", result.get("mean_draft_device_ms_per_round"))
+    row("Engine-bound tok/s per request:", result.get("engine_tokens_per_request_s"))
+    row("Measured / engine-bound tok/s:", result.get("engine_efficiency"), 3)
     if result.get("fanout"):
         row("Speculation cache fanout:", result["fanout"])
         row("Drafts from the speculation cache:", result.get("speculation_cache_hit_rate"), 3)
     row("Ideal speedup:", result.get("ideal_speedup"))
     row("Measured speedup:", result.get("measured_speedup"))
-    row("System efficiency:", result.get("system_efficiency"), 3)
+    row("System efficiency (measured/ideal):", result.get("system_efficiency"), 3)
     lines.append("=" * width)
     lines.append(format_categories(result["per_category"]))
     return "\n".join(lines)

@@ -1,7 +1,13 @@
 """`specdec bench sweep`: `serve` at several concurrencies or request rates, each point
 run speculative and target-only back to back (so every point has its own baseline and
 system efficiency), one JSON with all points, one table (plus both modes of each point per
-category), one PNG."""
+category), one PNG.
+
+Before each measured run an unmeasured wave of requests at the point's concurrency and
+max_tokens (`serve.warm_up`), so no measured request pays a new shape's first cost. Per
+point, against the engines (see bench/serve.py): host ms beside device ms per round, the
+engine-bound tokens/s of each mode and the measured tokens/s against it, the ideal speedup
+from the engines' device times and the measured speedup against it."""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ import math
 from datetime import datetime, timezone
 from typing import Sequence
 
-from bench.serve import WorkloadConfig, _call_timeout, _fmt, _json_rate, add_efficiency, run_serve
+from bench.serve import WorkloadConfig, _call_timeout, _fmt, _json_rate, add_efficiency, run_serve, warm_up
 from client.speculative import SpeculativeClient
 
 
@@ -32,9 +38,27 @@ def parse_points(text: str, flag: str, integer: bool) -> list[float]:
     return values
 
 
-def run_sweep(base: WorkloadConfig, concurrency: Sequence[int] = (), request_rates: Sequence[float] = ()) -> dict:
+def point_efficiency(spec: dict, target: dict) -> dict:
+    """A point's figures against the engines, from its two runs' results (pure): the measured
+    and ideal speedups (ideal = engine-bound tok/s of speculative / of target-only, from the
+    engines' device times), system_efficiency = measured / ideal, and per mode the measured
+    tok/s over the engine-bound tok/s (engine_efficiency) and the host and device ms per round."""
+    keys = ("mean_verify_device_ms_per_round", "mean_verify_step_ms_per_round", "mean_verify_host_ms_per_round",
+            "mean_draft_device_ms_per_round", "engine_tokens_per_request_s", "engine_efficiency")
+    spec_tps, target_tps = spec.get("output_tokens_per_request_s"), target.get("output_tokens_per_request_s")
+    spec_engine, target_engine = spec.get("engine_tokens_per_request_s"), target.get("engine_tokens_per_request_s")
+    measured = spec_tps / target_tps if spec_tps is not None and target_tps else None
+    ideal = spec_engine / target_engine if spec_engine and target_engine else None
+    return {"measured_speedup": measured, "ideal_speedup": ideal,
+            "system_efficiency": measured / ideal if measured is not None and ideal else None,
+            "engine": {mode: {k: r.get(k) for k in keys} for mode, r in (("speculative", spec),
+                                                                          ("target_only", target))}}
+
+
+def run_sweep(base: WorkloadConfig, concurrency: Sequence[int] = (), request_rates: Sequence[float] = (),
+              warmup: bool = True) -> dict:
     """One point per concurrency (at base.request_rate) or per request rate (at
-    base.max_concurrency)."""
+    base.max_concurrency), each mode after its warm-up wave (`warmup`)."""
     if bool(concurrency) == bool(request_rates):
         raise ValueError("give exactly one of --concurrency and --request-rates")
     if concurrency:
@@ -50,16 +74,19 @@ def run_sweep(base: WorkloadConfig, concurrency: Sequence[int] = (), request_rat
         bar = tqdm(total=2 * len(settings), desc="sweep", unit="run", disable=not base.show_progress)
         for changes, label in settings:
             bar.set_postfix_str(label)
-            spec = run_serve(base.replace(target_only=False, **changes), client)
-            bar.update(1)
-            target = run_serve(base.replace(target_only=True, **changes), client)
-            bar.update(1)
+            runs, warmups = {}, {}
+            for mode, target_only in (("speculative", False), ("target_only", True)):
+                config = base.replace(target_only=target_only, **changes)
+                if warmup:
+                    warmups[mode] = warm_up(client, config)
+                runs[mode] = run_serve(config, client)
+                bar.update(1)
+            spec, target = runs["speculative"], runs["target_only"]
             add_efficiency(spec, target)
             points.append({"label": label, **{k: _json_rate(v) if k == "request_rate" else v
                                               for k, v in changes.items()},
-                           "speculative": spec, "target_only": target,
-                           "ideal_speedup": spec["ideal_speedup"], "measured_speedup": spec["measured_speedup"],
-                           "system_efficiency": spec["system_efficiency"]})
+                           "speculative": spec, "target_only": target, "warmup": warmups,
+                           **point_efficiency(spec, target)})
         bar.close()
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -93,8 +120,28 @@ def format_sweep(sweep: dict) -> str:
                 f"{_fmt(p['measured_speedup'] if spec else None):>9}{_fmt(p['ideal_speedup'] if spec else None):>7}"
                 f"{_fmt(p['system_efficiency'] if spec else None, 3):>8}"
             )
+    lines += ["", format_engine_table(sweep["points"])]
     for p in sweep["points"]:
         lines += ["", format_point_categories(p)]
+    return "\n".join(lines)
+
+
+def format_engine_table(points: list[dict]) -> str:
+    """Per point and mode: verify host ms beside device ms per round, draft device ms, the
+    engine-bound and measured tok/s per request, their ratio; then ideal vs measured speedup."""
+    header = (f"{'point':<10}{'mode':<13}{'vfy dev ms':>11}{'vfy step':>9}{'vfy host':>9}{'dft dev':>8}"
+              f"{'engine tok/s':>13}{'meas tok/s':>11}{'meas/eng':>9}{'ideal':>7}{'speedup':>9}{'meas/ideal':>11}")
+    lines = ["Against the engines (per round; tok/s per request)", header, "-" * len(header)]
+    for p in points:
+        for mode in ("speculative", "target_only"):
+            r, spec = p[mode], mode == "speculative"
+            lines.append(
+                f"{p['label']:<10}{mode.replace('_', '-'):<13}{_fmt(r.get('mean_verify_device_ms_per_round')):>11}"
+                f"{_fmt(r.get('mean_verify_step_ms_per_round')):>9}{_fmt(r.get('mean_verify_host_ms_per_round')):>9}"
+                f"{_fmt(r.get('mean_draft_device_ms_per_round')):>8}{_fmt(r.get('engine_tokens_per_request_s'), 1):>13}"
+                f"{_fmt(r.get('output_tokens_per_request_s'), 1):>11}{_fmt(r.get('engine_efficiency'), 3):>9}"
+                f"{_fmt(p['ideal_speedup'] if spec else None):>7}{_fmt(p['measured_speedup'] if spec else None):>9}"
+                f"{_fmt(p['system_efficiency'] if spec else None, 3):>11}")
     return "\n".join(lines)
 
 

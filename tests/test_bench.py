@@ -131,17 +131,62 @@ def test_metrics_follow_vllm_definitions():
     assert m["goodput"] == pytest.approx(0.5)  # only `a` has TTFT <= 200 ms
 
 
-def test_ideal_speedup_model():
+def test_expected_tokens_per_round():
     assert expected_tokens_per_round(1.0, 4) == 5.0
     assert expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)  # 1 + 0.5 + 0.25
-    spec = {"acceptance_rate": 1.0, "mean_draft_time_per_token_ms": 1.0, "mean_verify_time_per_round_ms": 12.0,
-            "output_tokens_per_request_s": 30.0, "mean_drafts_per_round": 4.0}
-    base = {"mean_verify_time_per_round_ms": 10.0, "output_tokens_per_request_s": 10.0}
+
+
+def test_engine_metrics_split_each_round_into_device_and_host_time():
+    """Two requests of 10 tokens in 4 rounds each; the verifier's steps took 2 ms of device time
+    per round, the client measured 5 ms per Verify call, the drafter 1 ms of device per round:
+    host = 5 - 2 = 3 ms per round; engine-bound = 20 tokens / (8 x 3 ms) of device time."""
+    recs = [RequestRecord(i, "qa", str(i), input_tokens=4, output_tokens=10, ttft=0.01, e2el=0.1, rounds=4,
+                          draft_tokens=12, accepted_tokens=6, verify_time=0.020, verify_device_time=0.008,
+                          verify_step_time=0.012, draft_device_time=0.004) for i in range(2)]
+    m = compute_metrics(recs, duration=0.2)
+    assert m["mean_verify_device_ms_per_round"] == pytest.approx(2.0)
+    assert m["mean_verify_step_ms_per_round"] == pytest.approx(3.0)
+    assert m["mean_verify_host_ms_per_round"] == pytest.approx(3.0)
+    assert m["mean_draft_device_ms_per_round"] == pytest.approx(1.0)
+    assert m["engine_tokens_per_request_s"] == pytest.approx(20 / 0.024)
+    assert m["output_tokens_per_request_s"] == pytest.approx(100.0)
+    assert m["engine_efficiency"] == pytest.approx(100.0 / (20 / 0.024))
+
+
+def test_engine_metrics_are_null_when_the_services_report_no_device_time():
+    rec = RequestRecord(0, "qa", "x", input_tokens=4, output_tokens=5, ttft=0.01, e2el=0.1, rounds=5,
+                        verify_time=0.05)
+    m = compute_metrics([rec], duration=0.1)
+    assert m["engine_tokens_per_request_s"] is None and m["engine_efficiency"] is None
+    assert m["mean_verify_host_ms_per_round"] is None
+
+
+def test_ideal_speedup_comes_from_the_engines_device_times_not_the_measured_latencies():
+    """Speculative: 30 tok/s measured, 100 tok/s engine-bound; target-only: 10 measured, 25
+    engine-bound. Ideal = 100 / 25 = 4 whatever the latencies; measured = 3; efficiency 0.75."""
+    spec = {"output_tokens_per_request_s": 30.0, "engine_tokens_per_request_s": 100.0}
+    base = {"output_tokens_per_request_s": 10.0, "engine_tokens_per_request_s": 25.0}
     out = efficiency(spec, base)
-    assert out["ideal_speedup"] == pytest.approx(5 * 10.0 / (4 * 1.0 + 12.0))
+    assert out["ideal_speedup"] == pytest.approx(4.0)
     assert out["measured_speedup"] == pytest.approx(3.0)
-    assert out["system_efficiency"] == pytest.approx(3.0 / (50 / 16))
+    assert out["system_efficiency"] == pytest.approx(0.75)
     assert efficiency(spec, None)["system_efficiency"] is None
+    no_engine = efficiency({"output_tokens_per_request_s": 30.0}, {"output_tokens_per_request_s": 10.0})
+    assert no_engine["measured_speedup"] == pytest.approx(3.0) and no_engine["ideal_speedup"] is None
+
+
+def test_a_sweep_point_can_read_below_its_ideal():
+    """The old call-cost model could not fall below ~1; this one does when the host path is slow:
+    both modes at half their engine-bound rate give measured = ideal (efficiency 1), while a
+    speculative run at a quarter of it gives 0.5."""
+    from bench.sweep import point_efficiency
+
+    target = {"output_tokens_per_request_s": 50.0, "engine_tokens_per_request_s": 100.0, "engine_efficiency": 0.5}
+    fine = point_efficiency({"output_tokens_per_request_s": 100.0, "engine_tokens_per_request_s": 200.0}, target)
+    slow = point_efficiency({"output_tokens_per_request_s": 50.0, "engine_tokens_per_request_s": 200.0}, target)
+    assert fine["ideal_speedup"] == pytest.approx(2.0) and fine["system_efficiency"] == pytest.approx(1.0)
+    assert slow["measured_speedup"] == pytest.approx(1.0) and slow["system_efficiency"] == pytest.approx(0.5)
+    assert slow["engine"]["target_only"]["engine_efficiency"] == 0.5
 
 
 @pytest.mark.slow
@@ -171,6 +216,11 @@ def test_sweep_writes_a_png_and_both_modes_per_point(drafter_proc, verifier_proc
         assert point["speculative"]["mode"] == "speculative" and point["speculative"]["completed"] == 2
         assert point["target_only"]["mode"] == "target-only" and point["target_only"]["completed"] == 2
         assert point["system_efficiency"] is not None and point["system_efficiency"] > 0
+        assert point["warmup"]["speculative"]["requests"] == point["warmup"]["target_only"]["requests"] == 2
+        for mode in ("speculative", "target_only"):
+            run = point[mode]
+            assert run["mean_verify_device_ms_per_round"] > 0 and run["mean_verify_host_ms_per_round"] is not None
+            assert 0 < run["engine_efficiency"] <= 1.05  # measured tok/s cannot beat what the device time allows
         spec = point["speculative"]
         # the first round of each request never drafts; with a fixed γ the others do
         assert 0 < spec["speculative_round_share"] < 1
