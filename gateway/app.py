@@ -114,7 +114,7 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        client = upstream.require()
+        client = await upstream.wait_ready()  # like a completion, while the gateway still connects
         info = client.verifier_info
         return models_list(list(served_names()), info.model, info.max_context, started)
 
@@ -134,7 +134,10 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
     async def generate(request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> Response:
         endpoint = CHAT if chat else COMPLETIONS
         body.refuse_unsupported()
-        client = upstream.require()
+        try:  # arriving while the gateway still connects upstream: wait for it, bounded (then 503)
+            client = await _race(request, upstream.wait_ready())
+        except _ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
         names = served_names()
         model = body.model or names[0]
         if model not in names:

@@ -13,13 +13,17 @@ away) stops its thread after the round in flight and closes the generator, whose
 `finally` closes both upstream sessions at once instead of leaving them to the TTL.
 
 The upstream may be down when the gateway starts (compose restarts, a verifier still
-loading): `connect_forever` keeps trying in the background; until it succeeds the API
-answers 503 and /health says why.
+loading): `connect_forever` keeps trying in the background, and /health answers 503 with
+the last error until it succeeds. A request that arrives meanwhile waits for the connection
+(`wait_ready`) up to `recovery_timeout_s`, the bound it would also wait for a verifier lost
+mid-generation, then proceeds, or fails with a 503 that says what it waited for and how long.
+While requests wait the next attempt comes within `_CONNECT_RETRY_S[0]`, not after the backoff.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -137,12 +141,20 @@ class Upstream:
         self._executor = ThreadPoolExecutor(max_workers=config.max_concurrent_requests,
                                             thread_name_prefix="gateway-gen")
         self._generations: set[Generation] = set()
+        # Not bound to a loop until first awaited (Python >= 3.10): the app may build this object
+        # before uvicorn starts its loop.
+        self._ready = asyncio.Event()  # set once `client` is
+        self._waiter_arrived = asyncio.Event()  # cuts the connection loop's backoff short
+        self._waiting = 0  # requests in wait_ready now
 
     # ---- connection ---------------------------------------------------------------------------
 
     async def connect_forever(self) -> None:
-        """Try to build the client until it works (backoff 0.5 s doubling to 10 s)."""
+        """Try to build the client until it works (backoff 0.5 s doubling to 10 s, but at most
+        0.5 s while a request waits for it)."""
         delay = _CONNECT_RETRY_S[0]
+        if self.client is not None:
+            self._ready.set()
         while self.client is None:
             try:
                 self.client = await anyio.to_thread.run_sync(self._factory, self.config)
@@ -153,13 +165,42 @@ class Upstream:
                     log.warning("upstream not ready (verifier=%s drafter=%s): %s; retrying", self.config.verifier,
                                 self.config.drafter, detail)
                 self.last_error = detail
-                await asyncio.sleep(delay)
+                await self._pause(delay)
                 delay = min(2 * delay, _CONNECT_RETRY_S[1])
                 continue
             self.last_error = None
+            self._ready.set()
             info = self.client.verifier_info
             log.info("upstream ready verifier=%s model=%s max_context=%d drafter=%s", self.config.verifier,
                      info.model, info.max_context, self.config.drafter)
+
+    async def _pause(self, delay: float) -> None:
+        """Sleep until the next connection attempt: `delay`, or the shortest step when a request
+        waits now or arrives meanwhile (never less, so a burst of requests is not a burst of attempts)."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        self._waiter_arrived.clear()
+        with contextlib.suppress(asyncio.TimeoutError):  # TimeoutError only from 3.11
+            await asyncio.wait_for(self._waiter_arrived.wait(), _CONNECT_RETRY_S[0] if self._waiting else delay)
+        await asyncio.sleep(max(0.0, start + _CONNECT_RETRY_S[0] - loop.time()))
+
+    async def wait_ready(self, timeout_s: float | None = None) -> SpeculativeClient:
+        """The client, once connected: a request that arrives while the gateway is still
+        connecting waits for it up to timeout_s (default: recovery_timeout_s); then 503."""
+        if self.client is not None:
+            return self.client
+        bound = self.config.recovery_timeout_s if timeout_s is None else timeout_s
+        self._waiting += 1
+        self._waiter_arrived.set()
+        try:
+            await asyncio.wait_for(self._ready.wait(), bound)
+        except asyncio.TimeoutError:
+            raise APIError(503, f"the gateway waited {bound:g} s for its connection to the upstream verifier "
+                                f"({self.config.verifier}) and it is still not reachable: {self.last_error}",
+                           type="service_unavailable", code="upstream_unavailable") from None
+        finally:
+            self._waiting -= 1
+        return self.require()
 
     def require(self) -> SpeculativeClient:
         if self.client is None:

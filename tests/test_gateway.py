@@ -200,7 +200,10 @@ def test_bad_request_gets_its_status_and_openai_error_body_and_the_gateway_keeps
 
 @pytest.mark.slow
 def test_unreachable_upstream_is_503_on_health_and_api():
-    with start_service("gateway", ["--verifier", "127.0.0.1:1", "--log-level", "ERROR"]) as gw:
+    # A request waits up to --recovery-timeout-s for the upstream connection before its 503
+    # (tests/test_gateway_startup.py); httpx gives up after 5 s.
+    with start_service("gateway", ["--verifier", "127.0.0.1:1", "--recovery-timeout-s", "1",
+                                   "--log-level", "ERROR"]) as gw:
         url = f"http://{gw.address}"
         assert httpx.get(f"{url}/health").status_code == 503
         reply = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})

@@ -1,0 +1,105 @@
+"""The gateway started before its upstream: a request that arrives while it is still
+connecting waits for the connection (up to --recovery-timeout-s) instead of failing at once,
+and gets a 503 that says what it waited for when the upstream never comes. Real gateway and
+service processes on loopback ports, driven by the official `openai` package."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+
+import httpx
+import openai
+import pytest
+
+from client.launcher import start_service
+from tests.conftest import SERVICE_THREADS
+
+UNREACHABLE = "127.0.0.1:1"  # nothing listens: every connection attempt is refused at once
+SHORT_WAIT_S = 2.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _openai(gateway, timeout_s: float) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{gateway.address}/v1", api_key="unused", max_retries=0,
+                         timeout=timeout_s)
+
+
+@pytest.fixture(scope="module")
+def unreachable_gateway():
+    with start_service("gateway", ["--verifier", UNREACHABLE, "--recovery-timeout-s", str(SHORT_WAIT_S),
+                                   "--log-level", "WARNING"]) as gw:
+        yield gw
+
+
+@pytest.mark.slow
+def test_a_chat_completion_sent_before_the_services_start_waits_for_them_and_succeeds():
+    verifier_port, drafter_port = _free_port(), _free_port()
+    with ExitStack() as stack:
+        gw = stack.enter_context(start_service(
+            "gateway", ["--verifier", f"127.0.0.1:{verifier_port}", "--drafter", f"127.0.0.1:{drafter_port}",
+                        "--recovery-timeout-s", "60", "--log-level", "WARNING"]))
+        reply: dict = {}
+
+        def ask() -> None:
+            try:
+                with _openai(gw, 90) as oai:
+                    reply["value"] = oai.chat.completions.create(
+                        model="", messages=[{"role": "user", "content": "Say hi."}], max_tokens=4, temperature=0)
+            except Exception as exc:  # reported by the assertion below
+                reply["value"] = exc
+
+        asking = threading.Thread(target=ask)
+        asking.start()
+        time.sleep(2.0)
+        assert asking.is_alive(), f"the request did not wait for the upstream: {reply.get('value')!r}"
+        assert httpx.get(f"http://{gw.address}/health").status_code == 503  # the truth: still connecting
+        with ThreadPoolExecutor(2) as pool:
+            verifier = pool.submit(start_service, "verifier", ["--max-draft-tokens", "8", "--log-level", "WARNING"],
+                                   port=verifier_port, threads=SERVICE_THREADS)
+            drafter = pool.submit(start_service, "drafter",
+                                  ["--max-draft-tokens", "8", "--prefill-dtype", "none", "--quantize", "none",
+                                   "--log-level", "WARNING"], port=drafter_port, threads=SERVICE_THREADS)
+            for started in (verifier, drafter):
+                stack.enter_context(started.result())
+        asking.join(90)
+        result = reply.get("value")
+        assert not isinstance(result, BaseException), f"{result!r}\n" + "\n".join(gw.output[-20:])
+        assert result.choices[0].finish_reason in ("stop", "length") and result.usage.completion_tokens > 0
+        assert httpx.get(f"http://{gw.address}/health").status_code == 200
+    assert not any("Traceback" in line for line in gw.output), gw.output[-30:]
+
+
+@pytest.mark.slow
+def test_a_request_to_an_unreachable_upstream_gets_a_503_saying_what_it_waited_for_within_the_bound(
+        unreachable_gateway):
+    start = time.monotonic()
+    with _openai(unreachable_gateway, 30) as oai, pytest.raises(openai.APIStatusError) as caught:
+        oai.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    elapsed = time.monotonic() - start
+    assert caught.value.status_code == 503
+    error = caught.value.body
+    assert error["code"] == "upstream_unavailable" and error["type"] == "service_unavailable"
+    assert f"waited {SHORT_WAIT_S:g} s" in error["message"] and UNREACHABLE in error["message"]
+    assert SHORT_WAIT_S - 0.5 <= elapsed < SHORT_WAIT_S + 3.0
+
+
+@pytest.mark.slow
+def test_health_answers_at_once_while_connecting_and_models_waits_like_a_completion(unreachable_gateway):
+    url = f"http://{unreachable_gateway.address}"
+    start = time.monotonic()
+    health = httpx.get(f"{url}/health", timeout=10)
+    assert health.status_code == 503 and health.json()["status"] == "connecting"
+    assert time.monotonic() - start < 1.0
+    start = time.monotonic()
+    models = httpx.get(f"{url}/v1/models", timeout=10)
+    assert models.status_code == 503 and f"waited {SHORT_WAIT_S:g} s" in models.json()["error"]["message"]
+    assert SHORT_WAIT_S - 0.5 <= time.monotonic() - start < SHORT_WAIT_S + 3.0
