@@ -9,7 +9,8 @@ client/speculative.py is unchanged: only the transport differs.
 
 Rounds that append a prompt (or any long catch-up) go as unary calls: a batch is answered
 when its last entry is done, and a chunked prefill takes several engine steps, which would
-hold back every decode round batched with it.
+hold back every decode round batched with it. A verifier that does not know VerifyBatch (an
+older release: UNIMPLEMENTED) is served with unary calls from then on.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class VerifyBatcher:
         self._pending: list[_Pending] = []
         self._cond = threading.Condition()
         self._closed = False
+        self._unary = False  # the server lacks VerifyBatch
         self._threads = [threading.Thread(target=self._send_loop, name=f"verify-batch-{name}-{i}", daemon=True)
                          for i in range(SENDERS)]
         for t in self._threads:
@@ -71,7 +73,7 @@ class VerifyBatcher:
     def verify(self, request: pb.VerifyRequest, timeout: float) -> pb.VerifyResponse:
         """The reply to `request`, as `stub.Verify(request, timeout=timeout)` would give it;
         a failed round raises a grpc.RpcError with the round's own status code."""
-        if len(request.append_token_ids) > UNARY_APPEND_TOKENS or self._closed:
+        if len(request.append_token_ids) > UNARY_APPEND_TOKENS or self._closed or self._unary:
             return self._stub.Verify(request, timeout=timeout)
         item = _Pending(request, time.monotonic() + timeout)
         with self._cond:
@@ -101,6 +103,12 @@ class VerifyBatcher:
         try:
             reply = self._stub.VerifyBatch(pb.VerifyBatchRequest(requests=[p.request for p in batch]), timeout=timeout)
         except grpc.RpcError as exc:  # the whole call failed (the server is gone, the deadline passed)
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                log.warning("the verifier has no VerifyBatch; sending unary Verify calls")
+                self._unary = True
+                for p in batch:
+                    self._send_unary(p)
+                return
             for p in batch:
                 p.future.set_exception(exc)
             return
@@ -117,3 +125,9 @@ class VerifyBatcher:
         for p in batch[len(reply.results):]:  # a server that answered fewer entries than it was sent
             p.future.set_exception(BatchEntryError(grpc.StatusCode.INTERNAL, "VerifyBatch answered no result for "
                                                                            "this round"))
+
+    def _send_unary(self, p: _Pending) -> None:
+        try:
+            p.future.set_result(self._stub.Verify(p.request, timeout=max(0.001, p.deadline - time.monotonic())))
+        except BaseException as exc:  # noqa: BLE001 - the caller gets it
+            p.future.set_exception(exc)

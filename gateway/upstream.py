@@ -287,4 +287,5 @@ def _make_client(config: UpstreamConfig) -> SpeculativeClient:
     return SpeculativeClient(config.verifier, drafter=config.drafter, timeout_s=config.timeout_s,
                              num_speculative_tokens=config.num_speculative_tokens, tls_ca=config.tls_ca,
                              tls_cert=config.tls_cert, tls_key=config.tls_key, auth_token=config.auth_token,
-                             recovery_timeout_s=config.recovery_timeout_s, fanout=config.fanout)
+                             recovery_timeout_s=config.recovery_timeout_s, fanout=config.fanout,
+                             batch_verify=True)  # one VerifyBatch per step for all its generations

@@ -224,3 +224,51 @@ def test_one_step_mixes_dense_proposals_ids_only_drafts_and_plain_decodes(stub):
     finally:
         for sid in sids:
             stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+
+
+def test_the_batcher_falls_back_to_unary_calls_on_a_verifier_without_verify_batch(verifier_proc):
+    """An older verifier answers VerifyBatch with UNIMPLEMENTED: the batcher then sends unary
+    Verify calls, and the rounds give what direct unary calls give. The old server here is a
+    real gRPC server that implements Verify only, relaying to the real verifier."""
+    from concurrent import futures
+
+    from client.batching import VerifyBatcher
+
+    upstream_channel = grpc.insecure_channel(verifier_proc.address, options=CHANNEL_OPTIONS)
+    upstream = pb_grpc.VerifierStub(upstream_channel)
+
+    class OldVerifier(pb_grpc.VerifierServicer):  # VerifyBatch left unimplemented
+        def Verify(self, request, context):
+            return upstream.Verify(request, timeout=60)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_VerifierServicer_to_server(OldVerifier(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    batcher = VerifyBatcher(pb_grpc.VerifierStub(channel))
+    greedy = pb.SamplingParams(temperature=0.0)
+
+    def rounds(verify) -> list[int]:
+        sid = upstream.OpenSession(pb.OpenSessionRequest(), timeout=30).session_id
+        try:
+            seq, kv = list(PROMPTS[0]), 0
+            for _ in range(4):  # the prompt, then 3 short appends (the batcher's own path)
+                out = verify(pb.VerifyRequest(session_id=sid, truncate_to=kv, append_token_ids=seq[kv:],
+                                              sampling=greedy), 60)
+                seq += list(out.output_token_ids)
+                kv = out.kv_length
+            return seq[len(PROMPTS[0]):]
+        finally:
+            upstream.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+
+    try:
+        via_batcher = rounds(batcher.verify)
+        assert batcher._unary  # it found out, and went on unary
+        direct = rounds(lambda req, timeout: upstream.Verify(req, timeout=timeout))
+    finally:
+        batcher.close()
+        channel.close()
+        server.stop(0)
+        upstream_channel.close()
+    assert via_batcher == direct and len(direct) == 4
