@@ -507,7 +507,8 @@ def run_serve(config: WorkloadConfig, client: SpeculativeClient | None = None,
     if client is None:
         client = SpeculativeClient(config.verifier, drafter=None if config.target_only else config.drafter,
                                    num_speculative_tokens=config.num_speculative_tokens,
-                                   timeout_s=_call_timeout(config), recovery_timeout_s=_call_timeout(config))
+                                   timeout_s=_call_timeout(config), recovery_timeout_s=_call_timeout(config),
+                                   batch_verify=True)  # one VerifyBatch per step, as the gateway sends them
     try:
         gamma = _gamma(client, config)
         requests = build_requests(client, config)
