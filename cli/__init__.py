@@ -352,11 +352,43 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="same preset and seed: same weights (a copy drafter)")
     r.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     r.add_argument("--device", default="cpu", help="where to initialize (cuda: seconds for 1.5B)")
+    r.add_argument("--pair", action="store_true",
+                   help="write a target and a cheap drafter with tunable greedy agreement: OUT/target, OUT/drafter "
+                        "(its first layers, the same embedding, final norm and head) and OUT/pair.json "
+                        "(construction: bench/synthetic.py); needs --divergence or --acceptance")
+    r.add_argument("--drafter-layers", type=int, default=None,
+                   help="--pair: the drafter's layers (default: weight bytes per step closest to 1/5 of the target's)")
+    knob = r.add_mutually_exclusive_group()
+    knob.add_argument("--divergence", type=float, default=None,
+                      help="--pair: scale of the target's later layers' output projections (0: the drafter's logits "
+                           "exactly; agreement falls towards 0 as it grows)")
+    knob.add_argument("--acceptance", type=float, default=None,
+                      help="--pair: the teacher-forced greedy agreement (per-position acceptance) to calibrate "
+                           "--divergence for, in [0, 1], e.g. 0.3, 0.6 or 0.9 (bisection on --device)")
 
     from bench.args import add_bench_parser  # lazy: the client side imports grpc, the core does not
 
     add_bench_parser(sub)
     return parser
+
+
+def _random_pair(args: argparse.Namespace) -> int:
+    """`specdec random-model --pair`: write the pair, print what pair.json records."""
+    import torch
+
+    from bench.synthetic import save_pair
+
+    info = save_pair(args.preset, args.out, drafter_layers=args.drafter_layers, divergence=args.divergence,
+                     acceptance=args.acceptance, seed=args.seed, dtype=getattr(torch, args.dtype), device=args.device,
+                     tokenizer=args.tokenizer)
+    rates = ", ".join(f"γ={g}: {r:.2f}" for g, r in info.acceptance_rate_at_gamma.items())
+    print(f"wrote {args.preset} pair to {args.out}/target and {args.out}/drafter: drafter {info.drafter_layers} of "
+          f"{info.target_layers} layers, bytes per step {info.drafter_bytes_per_step / 1e6:.1f} / "
+          f"{info.target_bytes_per_step / 1e6:.1f} MB (ratio {info.bytes_ratio:.3f})")
+    print(f"divergence {info.divergence:.4g}: greedy agreement {info.greedy_agreement:.3f} "
+          f"({info.calibration_positions} teacher-forced positions, {info.calibration_s:.1f} s); "
+          f"accepted/proposed if positions were independent: {rates}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,6 +417,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "random-model":
             import torch
 
+            if args.pair:
+                return _random_pair(args)
+            if args.divergence is not None or args.acceptance is not None or args.drafter_layers is not None:
+                raise ValueError("--divergence, --acceptance and --drafter-layers need --pair")
             from bench.engine import save_random_model
 
             n = save_random_model(args.preset, args.out, args.tokenizer, args.seed, getattr(torch, args.dtype),
