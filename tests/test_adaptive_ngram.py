@@ -6,8 +6,9 @@ import random
 
 import pytest
 
-from specdec.adaptive import AdaptiveGamma, expected_tokens
+from specdec.adaptive import AdaptiveGamma, ServingCosts, expected_tokens
 from specdec.ngram import ngram_propose
+from specdec.serving import EngineLoad
 
 
 def test_ngram_prefers_the_longest_recent_match():
@@ -138,3 +139,49 @@ def test_markov_controller_costs_nothing_under_independent_acceptance():
         markov, pooled, best_fixed = _compare(_acceptance_world(1, 5000, bursty=False, alpha=alpha))
         assert markov >= 0.99 * pooled, (alpha, markov, pooled)
         assert markov >= 0.95 * best_fixed, (alpha, markov, best_fixed)
+
+
+def _deterministic_schedule(accepted_of: list[int], draft_s: float, verify_s: float,
+                            costs: ServingCosts | None) -> list[int]:
+    """γ per round of a seeded generation's controller whose round i accepts accepted_of[i] drafts
+    (at most the γ it proposed), with the given timings and load model."""
+    ctl = AdaptiveGamma(gamma_min=0, gamma_max=8, deterministic=True)
+    if costs is not None:
+        ctl.attach(costs)
+    gammas = []
+    for accepted in accepted_of:
+        g = ctl.next_gamma()
+        gammas.append(g)
+        ctl.update(g, min(g, accepted), draft_s=draft_s * g, verify_s=verify_s)
+    return gammas
+
+
+def test_deterministic_controller_ignores_timings_load_the_cap_and_other_generations():
+    """Same acceptance record, everything else different: a fast idle host vs a slow one whose
+    verifier reports 8 sessions, asks for no drafts, and whose other generations accepted nothing."""
+    rng = random.Random(3)
+    record = [rng.choice([0, 1, 2, 8]) for _ in range(60)]
+    loaded = ServingCosts()
+    for _ in range(20):
+        loaded.observe_verify(EngineLoad(running_sessions=8, step_rows=8, step_tokens=72, step_ms=350.0,
+                                         speculation_disabled=True), latency_s=0.4)
+        loaded.observe_draft(EngineLoad(running_sessions=8, step_rows=8, step_ms=250.0), latency_s=0.3, steps=1)
+        loaded.observe_acceptance(8, 0)
+    assert loaded.ready() and loaded.disabled
+    idle = _deterministic_schedule(record, draft_s=0.001, verify_s=0.02, costs=None)
+    assert _deterministic_schedule(record, draft_s=0.2, verify_s=0.4, costs=loaded) == idle
+    assert any(g > 0 for g in idle)  # it speculated although the loaded verifier asked for no drafts
+
+
+def test_deterministic_controller_still_adapts_to_acceptance():
+    """Long rounds while every draft is accepted; γ 0 with a probe every probe_every + 1 rounds
+    while none is (α below DETERMINISTIC_DRAFT_COST's break-even of ~0.15)."""
+    high = _deterministic_schedule([8] * 20, draft_s=0.01, verify_s=0.05, costs=None)
+    assert 0 < high[0] < 8 and min(high[1:]) == 8  # the prior α 0.8, then the record
+    low = _deterministic_schedule([0] * 60, draft_s=0.01, verify_s=0.05, costs=None)
+    assert low[0] == high[0] and low[1] < low[0] and 0 in low[:6]
+    ctl = AdaptiveGamma(gamma_min=0, gamma_max=8, deterministic=True)
+    tail = low[20:]
+    assert set(tail) == {0, ctl.probe_gamma}
+    probes = [i for i, g in enumerate(tail) if g]
+    assert all(b - a == ctl.probe_every + 1 for a, b in zip(probes, probes[1:]))
