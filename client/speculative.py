@@ -341,7 +341,9 @@ class SpeculativeClient:
     ) -> Iterator[StreamChunk]:
         """Yield the tokens committed by each round; the last chunk carries the result.
         num_speculative_tokens: γ, or "auto" (adaptive γ in [0, 8] per round, see
-        specdec/adaptive.py); fanout: this generation's speculation-cache fanout.
+        specdec/adaptive.py; with `params.seed` the schedule follows from this generation's own
+        rounds, so the same seed gives the same output under any load); fanout: this
+        generation's speculation-cache fanout.
 
         The first round never drafts: the verifier prefills the prompt and answers the first
         token as fast as target-only decoding. The drafter prefills when drafts are first

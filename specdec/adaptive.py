@@ -47,6 +47,14 @@ the estimates never go stale (a probe is skipped where the drafter would first h
 prefill the whole sequence: that is no cheap probe). Speculation resumes when the load
 drops without one: the model is evaluated at the B the verifier reports every round. A verifier that
 reports `speculation_disabled` (its operator's cap) gets γ = 0 without probes.
+
+A seeded request (`deterministic`) must give the same output alone or under load, and which
+positions are verified as drafts and which are sampled as bonus tokens decides which of its
+position-keyed draws are used. So its γ follows from its own rounds only: the same α estimates
+(prior, decay, Markov state), the rate E(γ) / (1 + γ·DETERMINISTIC_DRAFT_COST) with that fixed
+nominal cost, and the count-based probes; never timings, the load model, the verifier's cap or
+other generations' acceptance. It still adapts (γ 0 below α ~0.15, γ_max near α 1) but gives
+up goodput under load: it drafts where the load model would have chosen γ = 0.
 """
 
 from __future__ import annotations
