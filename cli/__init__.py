@@ -351,7 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tokenizer", default="embedded", help="model whose tokenizer (and vocabulary size) to use")
     r.add_argument("--seed", type=int, default=0, help="same preset and seed: same weights (a copy drafter)")
     r.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
-    r.add_argument("--device", default="cpu", help="where to initialize (cuda: seconds for 1.5B)")
+    r.add_argument("--device", default="cpu", help="where to initialize, and to run --pair's calibration "
+                                                   "(cuda: seconds for 1.5B)")
     r.add_argument("--pair", action="store_true",
                    help="write a target and a cheap drafter with tunable greedy agreement: OUT/target, OUT/drafter "
                         "(its first layers, the same embedding, final norm and head) and OUT/pair.json "
@@ -364,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "exactly; agreement falls towards 0 as it grows)")
     knob.add_argument("--acceptance", type=float, default=None,
                       help="--pair: the teacher-forced greedy agreement (per-position acceptance) to calibrate "
-                           "--divergence for, in [0, 1], e.g. 0.3, 0.6 or 0.9 (bisection on --device)")
+                           "--divergence for, in [0, 1], e.g. 0.3, 0.6 or 0.9 (a search of 3-6 forwards of the "
+                           "later layers on --device)")
 
     from bench.args import add_bench_parser  # lazy: the client side imports grpc, the core does not
 
