@@ -4,7 +4,10 @@ default adaptive γ, through the Python client, the CLI and the gateway.
 The services are the row-independent pair (the float32 verifier, the int8 drafter that runs
 one row at a time), so batch mates cannot move a row's bits; what is tested is that the
 client's round structure (its γ schedule, which decides which position-keyed draws are
-used) depends on the request's own rounds only, not on timings or load."""
+used) depends on the request's own rounds only, not on timings or load. The prompts are
+shorter than an engine step's token budget (256 on a CPU): a longer one is prefilled in chunks
+whose boundaries follow the budget its batch mates left, and a different split moves the
+logits' last bits (CPU attention over another query tiling), so its tokens are not guaranteed."""
 
 from __future__ import annotations
 
