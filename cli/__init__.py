@@ -287,7 +287,8 @@ def _add_gateway_parser(sub) -> None:
                          "more requests wait for a thread")
     gw.add_argument("--timeout-s", type=float, default=60.0, help="deadline of every upstream call")
     gw.add_argument("--recovery-timeout-s", type=float, default=10.0,
-                    help="how long a request waits for a lost verifier to come back before it fails with 503")
+                    help="how long a request waits for a lost verifier to come back, or for the first "
+                         "connection while the gateway is still connecting, before it fails with 503")
     _add_client_security_args(gw)
     gw.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve HTTPS (with --ssl-keyfile)")
     gw.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile")
