@@ -29,7 +29,10 @@ log = logging.getLogger(__name__)
 
 UNARY_APPEND_TOKENS = 16  # rounds appending more than this go unary (prompts, long catch-ups)
 MAX_ENTRIES = 256  # entries per VerifyBatch call
-SENDERS = 2  # calls in flight per verifier: the next step's rounds reach the server while this step runs
+# How long a batch waits for the rest of this client's generations: a tenth of a recent
+# call's latency, within these bounds (a GPU round of ~3 ms lingers 0.3 ms, a CPU one of 45 ms 4.5 ms).
+LINGER_SHARE = 0.1
+LINGER_BOUNDS_S = (0.0002, 0.005)
 
 
 class BatchEntryError(grpc.RpcError):
@@ -57,54 +60,65 @@ class _Pending:
 
 
 class VerifyBatcher:
-    """Coalesces concurrent `verify` calls to one verifier into VerifyBatch calls."""
+    """Coalesces concurrent `verify` calls to one verifier into VerifyBatch calls.
+
+    No sender thread and no cap on calls in flight: the first round to arrive while no batch
+    is being gathered leads one. It waits until every generation this client runs on the
+    verifier has sent its round (`expected`), or a tenth of a call's recent latency (whichever
+    comes first: a generation that is drafting or prefilling costs at most that), then sends
+    the batch from its own thread and hands out the replies. A round never waits for an
+    earlier call to come back (with two sender threads, rounds queued behind calls in flight
+    and reached the engine a step late: concurrency 4 on the embedded pair ran at 48 tok/s
+    against 84 unary; now 80-86, four rounds a call)."""
 
     def __init__(self, stub, name: str = "verifier") -> None:
         self._stub = stub
+        self._name = name
         self._pending: list[_Pending] = []
+        self._gathering = False  # a leader is gathering `_pending`
         self._cond = threading.Condition()
-        self._closed = False
         self._unary = False  # the server lacks VerifyBatch
-        self._threads = [threading.Thread(target=self._send_loop, name=f"verify-batch-{name}-{i}", daemon=True)
-                         for i in range(SENDERS)]
-        for t in self._threads:
-            t.start()
+        self._latency_s = 0.0  # decayed latency of recent calls
 
-    def verify(self, request: pb.VerifyRequest, timeout: float) -> pb.VerifyResponse:
+    def verify(self, request: pb.VerifyRequest, timeout: float, expected: int = 1) -> pb.VerifyResponse:
         """The reply to `request`, as `stub.Verify(request, timeout=timeout)` would give it;
-        a failed round raises a grpc.RpcError with the round's own status code."""
-        if len(request.append_token_ids) > UNARY_APPEND_TOKENS or self._closed or self._unary:
+        a failed round raises a grpc.RpcError with the round's own status code. expected:
+        this client's generations running on the verifier (the rounds worth waiting for)."""
+        if len(request.append_token_ids) > UNARY_APPEND_TOKENS or self._unary:
             return self._stub.Verify(request, timeout=timeout)
         item = _Pending(request, time.monotonic() + timeout)
         with self._cond:
             self._pending.append(item)
-            self._cond.notify()
+            lead = not self._gathering
+            if lead:
+                self._gathering = True
+                linger = min(max(LINGER_SHARE * self._latency_s, LINGER_BOUNDS_S[0]), LINGER_BOUNDS_S[1])
+                deadline = time.monotonic() + linger
+                while len(self._pending) < min(expected, MAX_ENTRIES):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                batch, self._pending, self._gathering = self._pending, [], False
+            else:
+                self._cond.notify_all()  # the leader counts arrivals
+        if lead:
+            for i in range(0, len(batch), MAX_ENTRIES):
+                self._send(batch[i:i + MAX_ENTRIES])
         return item.future.result()
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        for t in self._threads:
-            t.join(timeout=5)
-
-    def _send_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending and not self._closed:
-                    self._cond.wait()
-                if not self._pending:
-                    return  # closed and drained
-                batch, self._pending = self._pending[:MAX_ENTRIES], self._pending[MAX_ENTRIES:]
-            self._send(batch)
+        """Nothing to stop: calls in flight belong to their callers' threads."""
 
     def _send(self, batch: list[_Pending]) -> None:
-        timeout = max(0.001, max(p.deadline for p in batch) - time.monotonic())
+        start = time.monotonic()
+        timeout = max(0.001, max(p.deadline for p in batch) - start)
         try:
             reply = self._stub.VerifyBatch(pb.VerifyBatchRequest(requests=[p.request for p in batch]), timeout=timeout)
         except grpc.RpcError as exc:  # the whole call failed (the server is gone, the deadline passed)
+            self._returned(start)
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                log.warning("the verifier has no VerifyBatch; sending unary Verify calls")
+                log.warning("verifier %s has no VerifyBatch; sending unary Verify calls", self._name)
                 self._unary = True
                 for p in batch:
                     self._send_unary(p)
@@ -113,18 +127,24 @@ class VerifyBatcher:
                 p.future.set_exception(exc)
             return
         except BaseException as exc:  # noqa: BLE001 - never leave a generation waiting
+            self._returned(start)
             log.exception("VerifyBatch failed")
             for p in batch:
                 p.future.set_exception(exc)
             return
+        self._returned(start)
         for p, result in zip(batch, reply.results):
             if result.code == 0:
                 p.future.set_result(result.response)
             else:
                 p.future.set_exception(BatchEntryError(_CODES.get(result.code, grpc.StatusCode.UNKNOWN), result.message))
         for p in batch[len(reply.results):]:  # a server that answered fewer entries than it was sent
-            p.future.set_exception(BatchEntryError(grpc.StatusCode.INTERNAL, "VerifyBatch answered no result for "
-                                                                           "this round"))
+            p.future.set_exception(BatchEntryError(grpc.StatusCode.INTERNAL,
+                                                   "VerifyBatch answered no result for this round"))
+
+    def _returned(self, start: float) -> None:
+        with self._cond:  # the latency a leader's linger is a share of
+            self._latency_s = 0.8 * self._latency_s + 0.2 * (time.monotonic() - start)
 
     def _send_unary(self, p: _Pending) -> None:
         try:

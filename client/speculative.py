@@ -263,7 +263,7 @@ class SpeculativeClient:
             batcher = self._batchers.get(server.address)
             if batcher is None:
                 batcher = self._batchers[server.address] = VerifyBatcher(server.stub, server.address)
-        return batcher.verify(request, timeout)
+        return batcher.verify(request, timeout, expected=self.costs(server.address).local_running)
 
     def close(self) -> None:
         for batcher in list((self._batchers or {}).values()):
