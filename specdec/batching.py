@@ -86,9 +86,7 @@ class BatchScheduler:
 
     def submit(self, payload: Any) -> Any:
         """Queue one item and block until its batch ran; exceptions propagate to the caller."""
-        item = WorkItem(payload)
-        self._queue.put(item)
-        return item.future.result()
+        return self.submit_many([payload])[0].result()
 
     def submit_many(self, payloads: list[Any]) -> list[Future]:
         """Queue several items at once (one client step of many sessions); they can share a

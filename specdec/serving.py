@@ -6,6 +6,7 @@ neither imports grpc.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import threading
@@ -100,10 +101,7 @@ class StepPhases:
         self.sums_ms = dict.fromkeys(PHASES, 0.0)
 
     def observe(self, phase: str, ms: float) -> None:
-        i = 0
-        while i < len(PHASE_BUCKETS_MS) and ms > PHASE_BUCKETS_MS[i]:
-            i += 1
-        self.counts[phase][i] += 1
+        self.counts[phase][bisect.bisect_left(PHASE_BUCKETS_MS, ms)] += 1  # the first bucket with ms <= bound
         self.sums_ms[phase] += ms
 
     def step(self, prepare_ms: float, device_ms: float, reply_ms: float, step_ms: float) -> None:

@@ -124,10 +124,13 @@ class VerifierEngine(ServingModel):
         owner: str | None = None,
     ) -> VerifyOut:
         """Validates (before the session is touched), holds the session, waits for its batch."""
-        call = VerifyCall(session_id, truncate_to, append_token_ids, draft_token_ids, proposal, params,
-                          prompt_length, owner)
+        return self.verify_call(VerifyCall(session_id, truncate_to, append_token_ids, draft_token_ids, proposal,
+                                           params, prompt_length, owner))
+
+    def verify_call(self, call: VerifyCall) -> VerifyOut:
+        """`verify` of one VerifyCall (what a unary Verify carries)."""
         q = self._check(call)
-        with self.sessions.use(session_id, truncate_to, owner) as session:
+        with self.sessions.use(call.session_id, call.truncate_to, call.owner) as session:
             return self.submit(self._request(call, session, q))
 
     def verify_batch(self, calls: list[VerifyCall | Exception]) -> list[VerifyOut | Exception]:

@@ -25,10 +25,8 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
 
     @rpc_method
     def Verify(self, request, context):
-        call = _call(request, caller_owner(context))  # someone else's session is NOT_FOUND
-        return _response(self.engine.verify(call.session_id, call.truncate_to, call.append_token_ids,
-                                            call.draft_token_ids, call.proposal, call.params, call.prompt_length,
-                                            call.owner))
+        # someone else's session is NOT_FOUND
+        return _response(self.engine.verify_call(_call(request, caller_owner(context))))
 
     @rpc_method
     def VerifyBatch(self, request, context):
