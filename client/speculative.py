@@ -1,7 +1,7 @@
 """SpeculativeClient: runs draft / verify rounds against the two services.
 
 KV bookkeeping lives here. The client remembers which tokens each service's cache
-holds (`drafter_kv`, `verifier_kv`); each round it asks each service to keep the
+holds (`_Link.kv`); each round it asks each service to keep the
 longest prefix of that which still agrees with the committed sequence (`truncate_to`)
 and to append the committed tokens after it. After a rejection the drafter cache holds
 drafts past the rejection point: those are dropped by the next call's truncation.
@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Sequence
 
 import grpc
 
 from client.batching import VerifyBatcher
+from client.output import GenerationResult, OutputProcessor, StreamChunk
 from client.pool import Server, ServerPool, parse_addresses
 from specdec.adaptive import AdaptiveGamma, ServingCosts
 from specdec.models import ModelSpec, load_tokenizer, tokenizer_fingerprint
@@ -35,6 +36,8 @@ from specdec_rpc.adapters import (
 )
 from specdec_rpc.ops import TLSFiles, open_channel
 
+__all__ = ["GenerationResult", "IncompatibleModels", "SpeculativeClient", "StreamChunk", "check_compatible"]
+
 log = logging.getLogger(__name__)
 
 
@@ -47,75 +50,6 @@ ASYNC_CATCHUP_TOKENS = 32
 
 class IncompatibleModels(ValueError):
     """The drafter and verifier (or the client's tokenizer) do not share a vocabulary."""
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]  # generated ids only
-    prompt_token_ids: list[int]
-    finish_reason: str  # "stop" (EOS, stop string or stop token) or "length"
-    num_rounds: int = 0
-    num_draft_tokens: int = 0  # proposed
-    num_accepted_tokens: int = 0  # accepted drafts
-    elapsed_s: float = 0.0
-    ttft_s: float = 0.0
-    draft_time_s: float = 0.0  # time spent in Draft calls (client side)
-    verify_time_s: float = 0.0  # time spent in Verify calls (client side)
-    # Engine time behind those calls, as the services reported it (EngineLoad): the device time
-    # and the wall time of the verifier steps that served its rounds, and the drafter's device
-    # time of the draft steps it ran for them. verify_time_s - verify_device_s is the host path.
-    verify_device_s: float = 0.0
-    verify_step_s: float = 0.0
-    draft_device_s: float = 0.0
-    token_times_s: list[float] = field(default_factory=list)  # arrival time of each generated token, from start
-    target_only: bool = False
-    # One entry per generated token when SamplingParams.logprobs is set: its logprob under
-    # the target's processed distribution, its rank, and the top-N {token id: logprob}.
-    logprobs: list[dict] | None = None
-    proposal_bytes: int = 0  # proposal bytes the drafter sent, summed over rounds
-    # Speculation cache (fanout > 0): drafts the drafter had pre-drafted during the previous
-    # verify, and the rounds whose drafts all came from there (no drafter forward waited for).
-    cached_draft_tokens: int = 0
-    speculation_hits: int = 0
-    gamma_per_round: list[int] = field(default_factory=list)  # drafts of each round (0: a target-only round)
-    num_speculative_rounds: int = 0  # rounds that verified at least one draft
-    # Faults survived. Fallback rounds ran without drafts because no drafter was reachable
-    # (the output distribution is the same, only slower); every recovery re-created a
-    # verifier session and re-prefilled it from the committed tokens. A failover is a lost
-    # session re-opened (and re-prefilled) on another server of the pool.
-    drafter_failures: int = 0  # failed Draft calls and failed attempts to open a drafter session
-    drafter_fallback_rounds: int = 0
-    verifier_recoveries: int = 0
-    drafter_failovers: int = 0
-    verifier_failovers: int = 0
-    # The servers this generation had its sessions on, in order (a new entry per move).
-    drafter_addresses: list[str] = field(default_factory=list)
-    verifier_addresses: list[str] = field(default_factory=list)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out.pop("token_times_s")
-        out["acceptance_rate"] = self.acceptance_rate
-        out["tokens_per_s"] = self.tokens_per_s
-        out["num_generated_tokens"] = len(self.token_ids)
-        return out
-
-
-@dataclass(frozen=True)
-class StreamChunk:
-    token_ids: list[int]  # tokens committed this round
-    text: str  # new text since the previous chunk
-    result: GenerationResult | None = None  # set on the last chunk
-    logprobs: list[dict] | None = None  # this round's entries of GenerationResult.logprobs (SamplingParams.logprobs)
 
 
 def _lcp(cached: Sequence[int], committed: Sequence[int], limit: int) -> int:
@@ -384,189 +318,170 @@ class SpeculativeClient:
 
     def _run(self, prompt_ids: list[int], params: SamplingParams, gamma_max: int,
              controller: AdaptiveGamma | None = None, fanout: int = 0) -> Iterator[StreamChunk]:
+        """The round loop: choose γ, draft, verify, commit, stream. Each side is told how far
+        to truncate its cache from what the client remembers it holds (_lcp against `committed`)."""
+        gen = self._start(prompt_ids, params, gamma_max, controller, fanout)
+        try:
+            while not gen.output.finished:
+                gamma = self._plan_round(gen)
+                # A side whose cache is empty (first round, new session) prefills in this round,
+                # which would skew the adaptive cost estimates.
+                steady = bool(gen.drafter.kv) and bool(gen.verifier.kv)
+                drafts, proposal, draft_s = self._draft_round(gen, gamma)
+                response, verify_s = self._verify_round(gen, drafts, proposal)
+                if gen.controller is not None and steady:
+                    gen.controller.update(len(drafts), response.num_accepted, draft_s, verify_s)
+                logprobs = _logprobs_from_pb(response) if gen.result.logprobs is not None else None
+                chunk = gen.output.commit(response.output_token_ids, logprobs, time.perf_counter())
+                gen.committed += chunk.token_ids
+                yield chunk
+        finally:
+            self._finish(gen)
+
+    def _start(self, prompt_ids: list[int], params: SamplingParams, gamma_max: int,
+               controller: AdaptiveGamma | None, fanout: int) -> "_Generation":
+        """A generation's state, with its verifier session open (the drafter's opens when drafts
+        are first wanted: a generation that never drafts never waits for the drafter)."""
         t0 = time.perf_counter()
-        sampling = sampling_to_pb(params)
         fmt = self.proposal_format or ProposalFormat(kind=IDS_ONLY if params.greedy else DENSE)
         if params.method != REJECTION:
             fmt = ProposalFormat(kind=IDS_ONLY)  # greedy and typical acceptance never read q
-        fmt_pb = proposal_format_to_pb(fmt)
-        eos = set() if params.ignore_eos else set(self.verifier_info.eos_token_ids)
-        stop_ids = set(params.stop_token_ids)
         result = GenerationResult(text="", token_ids=[], prompt_token_ids=list(prompt_ids), finish_reason="length",
                                   target_only=gamma_max == 0, logprobs=[] if params.logprobs is not None else None)
-        prompt_length = len(prompt_ids)
-        timeout = self.timeout_s
-        # The committed list is the source of truth: a session lost on either side is
-        # replaced by a new one that is re-prefilled from it (kv = [] -> truncate_to = 0).
-        verifier = _Link()  # this generation's verifier session
+        verifier = _Link()
         self._open_verifier_session(verifier, result)
-        own_costs = self.costs(verifier.server.address)
-        own_costs.begin()
+        gen = _Generation(
+            sampling=sampling_to_pb(params), proposal_format=proposal_format_to_pb(fmt),
+            prompt_length=len(prompt_ids), committed=list(prompt_ids), result=result,
+            output=OutputProcessor(self.tokenizer, params, self.verifier_info.eos_token_ids, result, t0),
+            verifier=verifier, drafter=_DrafterLink(gamma_max=gamma_max, max_draft_tokens=gamma_max, fanout=fanout),
+            gamma_max=gamma_max, controller=controller, counted_on=self.costs(verifier.server.address),
+            drafter_context=self.drafter_info.max_context if self.drafter_info else 0,
+            # Both engines compute on CPUs (usually one host's cores): overlapping their work buys nothing.
+            shared_cpu=self.drafter_info is not None and self.drafter_info.device.startswith("cpu")
+            and self.verifier_info.device.startswith("cpu"),
+        )
+        gen.counted_on.begin()
         if controller is not None:
-            controller.attach(own_costs)
-        committed = list(prompt_ids)
-        draft_link = _DrafterLink(gamma_max=gamma_max, max_draft_tokens=gamma_max, fanout=fanout)
-        emitted_text = ""
-        drafter_context = self.drafter_info.max_context if self.drafter_info else 0
-        # Both engines compute on CPUs (usually one host's cores): overlapping their work buys nothing.
-        shared_cpu = self.drafter_info is not None and self.drafter_info.device.startswith("cpu") and \
-            self.verifier_info.device.startswith("cpu")
-        try:
-            # The drafter session opens when drafts are first wanted (_start_prefill, _draft): a
-            # generation that never drafts (a loaded verifier's cap) never waits for the drafter.
-            finished = False
-            while not finished:
-                remaining = params.max_tokens - len(result.token_ids)
-                costs = self.costs(verifier.server.address)
-                if not gamma_max or result.num_rounds == 0:
-                    cap = 0  # the first token is the verifier's alone (target-only TTFT)
-                elif controller is not None:
-                    controller.costs = costs
-                    cap = controller.next_gamma(draft_link.max_draft_tokens)
-                else:
-                    cap = draft_link.max_draft_tokens
-                # Never draft more than can be kept: the round emits up to gamma + 1 tokens.
-                gamma = max(0, min(cap, remaining - 1, drafter_context - len(committed)))
-                waited = draft_link.prefill is not None  # a prefill started in an earlier round
-                if gamma and draft_link.prefill is None and self._drafter_behind(draft_link, committed):
-                    if controller is not None and controller.probing:
-                        gamma = 0  # a probe is worth a cheap round, not a prefill of the whole sequence
-                    else:
-                        # A prompt (or a long run of target-only rounds) to catch up on: the drafter
-                        # prefills in the background, only once drafts are wanted at all.
-                        self._start_prefill(draft_link, committed, sampling, fmt_pb, prompt_length, result)
-                elif (result.num_rounds == 0 and gamma_max and draft_link.prefill is None and not shared_cpu
-                      and min(remaining - 1, drafter_context - len(committed)) > 0
-                      and (controller is None or controller.best_gamma(draft_link.max_draft_tokens) > 0)):
-                    # Drafts will be wanted from the second round on: the drafter prefills the prompt
-                    # now, beside the verifier's prefill, on its own device.
-                    self._start_prefill(draft_link, committed, sampling, fmt_pb, prompt_length, result)
-                if draft_link.prefill is not None:
-                    # A fixed γ and a seeded request wait for it (their rounds reproduce). Adaptive rounds on
-                    # separate devices run one target-only round beside it, then wait when they want drafts.
-                    # Both services on CPUs: a session alone waits at once (target-only rounds beside
-                    # the prefill would only share its cores); beside other sessions it never waits,
-                    # since the drafter then shares the cores with the others' verifies.
-                    if controller is None or controller.deterministic:
-                        block = True
-                    else:
-                        block = costs.running <= 1 if shared_cpu else waited
-                    self._collect_prefill(draft_link, result, block=gamma > 0 and block)
-                    if draft_link.prefill is not None:
-                        gamma = 0
-                drafts: list[int] = []
-                proposal = None
-                # A side whose cache is empty (first round, new session) prefills in this round,
-                # which would skew the adaptive cost estimates.
-                steady = bool(draft_link.kv) and bool(verifier.kv)
-                ts = time.perf_counter()
-                if gamma:
-                    drafts, proposal = self._draft(draft_link, committed, gamma, sampling, fmt_pb, prompt_length,
-                                                   result)
-                draft_s = time.perf_counter() - ts
-                if drafts and draft_link.observed is not None:
-                    costs.observe_draft(*draft_link.observed)
-                ts = time.perf_counter()
-                give_up = time.monotonic() + self.recovery_timeout_s  # bounds the retries of this round
-                while True:
-                    keep = _lcp(verifier.kv, committed, len(committed) - 1)
-                    req = pb.VerifyRequest(session_id=verifier.session_id, truncate_to=keep,
-                                           append_token_ids=committed[keep:], draft_token_ids=drafts,
-                                           sampling=sampling, prompt_length=prompt_length)
-                    if proposal is not None:
-                        req.proposal.CopyFrom(proposal)
-                    try:
-                        vresp = self._verify(verifier.server, req, timeout)
-                        break
-                    except grpc.RpcError as exc:
-                        if exc.code() not in _VERIFIER_LOST or time.monotonic() > give_up:
-                            raise
-                        log.warning("verifier %s lost session=%s code=%s details=%r; re-opening it on the pool for "
-                                    "up to %.0f s", verifier.server.address, verifier.session_id, exc.code().name,
-                                    exc.details(), self.recovery_timeout_s)
-                        self._lose(self.verifiers, verifier, exc.code(), close=True)  # after a deadline it may exist
-                        # The drafts stay valid: they were proposed for `committed`, which is unchanged.
-                        self._open_verifier_session(verifier, result, exc)
-                        result.verifier_recoveries += 1
-                now = time.perf_counter()
-                result.verify_time_s += now - ts
-                result.verify_device_s += vresp.load.device_ms / 1e3
-                result.verify_step_s += vresp.load.step_ms / 1e3
-                # One engine step (no chunked prompt, no background prefill of ours competing for a
-                # shared host's cores) is a sample of the verifier's step cost.
-                costs.observe_verify(load_from_pb(vresp.load), now - ts,
-                                     fit=len(committed) - keep <= 2 and draft_link.prefill is None)
-                out = list(vresp.output_token_ids)
-                verifier.kv = committed + out[:-1]
-                _check_kv("verifier", vresp.kv_length, len(verifier.kv))
-                result.num_rounds += 1
-                result.num_draft_tokens += len(drafts)
-                result.num_accepted_tokens += vresp.num_accepted
-                result.num_speculative_rounds += bool(drafts)
-                result.gamma_per_round.append(len(drafts))
-                log.debug("round=%d drafts=%d accepted=%d", result.num_rounds, len(drafts), vresp.num_accepted)
-                if controller is not None and steady:
-                    controller.update(len(drafts), vresp.num_accepted, draft_s, now - ts)
+            controller.attach(gen.counted_on)
+        return gen
 
-                new: list[int] = []
-                logprobs_from = len(result.logprobs) if result.logprobs is not None else 0
-                for i, tok in enumerate(out):
-                    new.append(tok)
-                    committed.append(tok)
-                    result.token_ids.append(tok)
-                    result.token_times_s.append(now - t0)
-                    if result.logprobs is not None and i < len(vresp.logprobs):
-                        lp = vresp.logprobs[i]
-                        result.logprobs.append({"token_id": tok, "logprob": lp.logprob, "rank": lp.rank,
-                                                "top_logprobs": dict(zip(lp.top_token_ids, lp.top_logprobs))})
-                    if len(result.token_ids) < params.min_tokens:
-                        continue  # vLLM checks no stop condition before min_tokens
-                    if tok in eos or tok in stop_ids:
-                        result.finish_reason, finished = "stop", True
-                    elif len(result.token_ids) >= params.max_tokens:
-                        result.finish_reason, finished = "length", True
-                    if finished:
-                        break
-                text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-                stops = params.stop if len(result.token_ids) >= params.min_tokens else ()
-                cut = _find_stop(text, stops, len(emitted_text))
-                if cut is not None:
-                    text, finished, result.finish_reason = text[:cut], True, "stop"
-                if not result.ttft_s:
-                    result.ttft_s = now - t0
-                # Hold back an incomplete UTF-8 sequence until the next round completes it, and the
-                # tail that could be the start of a stop string a later round completes.
-                stable = text if finished else text.rstrip("\ufffd")
-                if not finished and stops:
-                    hold = max(map(len, stops)) - 1
-                    stable = stable[:max(len(emitted_text), len(stable) - hold)]
-                delta, emitted_text = stable[len(emitted_text):], stable
-                logprobs = result.logprobs[logprobs_from:] if result.logprobs is not None else None
-                if finished:
-                    result.text = text
-                    result.elapsed_s = time.perf_counter() - t0
-                    yield StreamChunk(token_ids=new, text=delta, result=result, logprobs=logprobs)
-                else:
-                    yield StreamChunk(token_ids=new, text=delta, logprobs=logprobs)
-        finally:
-            own_costs.end()
-            self._end(self.verifiers, verifier)
-            if self.drafters is not None:
-                if draft_link.prefill is not None:  # let it land before the session closes
-                    draft_link.prefill[0].cancel()
-                    draft_link.prefill = None
-                self._end(self.drafters, draft_link)
+    def _finish(self, gen: "_Generation") -> None:
+        gen.counted_on.end()
+        self._end(self.verifiers, gen.verifier)
+        if self.drafters is not None:
+            if gen.drafter.prefill is not None:  # let it land before the session closes
+                gen.drafter.prefill[0].cancel()
+                gen.drafter.prefill = None
+            self._end(self.drafters, gen.drafter)
+
+    def _plan_round(self, gen: "_Generation") -> int:
+        """This round's γ: the controller's (or the fixed γ), never more than can be kept, and 0
+        while the drafter's background prefill has not landed; starts that prefill when due."""
+        link, committed = gen.drafter, gen.committed
+        remaining = gen.output.params.max_tokens - len(gen.result.token_ids)
+        if not gen.gamma_max or gen.result.num_rounds == 0:
+            cap = 0  # the first token is the verifier's alone (target-only TTFT)
+        elif gen.controller is not None:
+            gen.controller.costs = self.costs(gen.verifier.server.address)
+            cap = gen.controller.next_gamma(link.max_draft_tokens)
+        else:
+            cap = link.max_draft_tokens
+        # Never draft more than can be kept: the round emits up to gamma + 1 tokens.
+        gamma = max(0, min(cap, remaining - 1, gen.drafter_context - len(committed)))
+        waited = link.prefill is not None  # a prefill started in an earlier round
+        if gamma and link.prefill is None and self._drafter_behind(link, committed):
+            if gen.controller is not None and gen.controller.probing:
+                return 0  # a probe is worth a cheap round, not a prefill of the whole sequence
+            # A prompt (or a long run of target-only rounds) to catch up on: the drafter
+            # prefills in the background, only once drafts are wanted at all.
+            self._start_prefill(gen)
+        elif (gen.result.num_rounds == 0 and gen.gamma_max and link.prefill is None and not gen.shared_cpu
+              and min(remaining - 1, gen.drafter_context - len(committed)) > 0
+              and (gen.controller is None or gen.controller.best_gamma(link.max_draft_tokens) > 0)):
+            # Drafts will be wanted from the second round on: the drafter prefills the prompt
+            # now, beside the verifier's prefill, on its own device.
+            self._start_prefill(gen)
+        if link.prefill is None:
+            return gamma
+        # A fixed γ and a seeded request wait for it (their rounds reproduce). Adaptive rounds on
+        # separate devices run one target-only round beside it, then wait when they want drafts.
+        # Both services on CPUs: a session alone waits at once (target-only rounds beside the
+        # prefill would only share its cores); beside other sessions it never waits, since the
+        # drafter then shares the cores with the others' verifies.
+        if gen.controller is None or gen.controller.deterministic:
+            block = True
+        elif gen.shared_cpu:
+            block = self.costs(gen.verifier.server.address).running <= 1
+        else:
+            block = waited
+        self._collect_prefill(gen, block=gamma > 0 and block)
+        return gamma if link.prefill is None else 0
+
+    def _draft_round(self, gen: "_Generation", gamma: int) -> tuple[list[int], pb.Proposal | None, float]:
+        """(drafts, their proposal, seconds): none for γ 0 or while no drafter is reachable."""
+        ts = time.perf_counter()
+        drafts, proposal = self._draft(gen, gamma) if gamma else ([], None)
+        draft_s = time.perf_counter() - ts
+        if drafts and gen.drafter.observed is not None:
+            self.costs(gen.verifier.server.address).observe_draft(*gen.drafter.observed)
+        return drafts, proposal, draft_s
+
+    def _verify_round(self, gen: "_Generation", drafts: list[int],
+                      proposal: pb.Proposal | None) -> tuple[pb.VerifyResponse, float]:
+        """Score the drafts on the verifier: (its answer, seconds). A lost verifier session is
+        re-opened on the pool and re-prefilled from `committed`, for up to recovery_timeout_s;
+        the drafts stay valid, since they were proposed for `committed`, which is unchanged."""
+        verifier, committed, result = gen.verifier, gen.committed, gen.result
+        ts = time.perf_counter()
+        give_up = time.monotonic() + self.recovery_timeout_s
+        while True:
+            keep = _lcp(verifier.kv, committed, len(committed) - 1)
+            request = pb.VerifyRequest(session_id=verifier.session_id, truncate_to=keep,
+                                       append_token_ids=committed[keep:], draft_token_ids=drafts,
+                                       sampling=gen.sampling, prompt_length=gen.prompt_length)
+            if proposal is not None:
+                request.proposal.CopyFrom(proposal)
+            try:
+                response = self._verify(verifier.server, request, self.timeout_s)
+                break
+            except grpc.RpcError as exc:
+                if exc.code() not in _VERIFIER_LOST or time.monotonic() > give_up:
+                    raise
+                log.warning("verifier %s lost session=%s code=%s details=%r; re-opening it on the pool for "
+                            "up to %.0f s", verifier.server.address, verifier.session_id, exc.code().name,
+                            exc.details(), self.recovery_timeout_s)
+                self._lose(self.verifiers, verifier, exc.code(), close=True)  # after a deadline it may exist
+                self._open_verifier_session(verifier, result, exc)
+                result.verifier_recoveries += 1
+        verify_s = time.perf_counter() - ts
+        # One engine step (no chunked prompt, no background prefill of ours competing for a
+        # shared host's cores) is a sample of the verifier's step cost.
+        self.costs(verifier.server.address).observe_verify(
+            load_from_pb(response.load), verify_s, fit=len(committed) - keep <= 2 and gen.drafter.prefill is None)
+        verifier.kv = committed + list(response.output_token_ids[:-1])
+        _check_kv("verifier", response.kv_length, len(verifier.kv))
+        result.verify_time_s += verify_s
+        result.verify_device_s += response.load.device_ms / 1e3
+        result.verify_step_s += response.load.step_ms / 1e3
+        result.num_rounds += 1
+        result.num_draft_tokens += len(drafts)
+        result.num_accepted_tokens += response.num_accepted
+        result.num_speculative_rounds += bool(drafts)
+        result.gamma_per_round.append(len(drafts))
+        log.debug("session=%s round=%d drafts=%d accepted=%d", verifier.session_id, result.num_rounds, len(drafts),
+                  response.num_accepted)
+        return response, verify_s
 
     # ---- fault tolerance ------------------------------------------------------------
 
-    def _draft(self, link: "_DrafterLink", committed: list[int], gamma: int, sampling: pb.SamplingParams,
-               fmt_pb: pb.ProposalFormat, prompt_length: int, result: GenerationResult,
-               attempt: int = 0) -> tuple[list[int], pb.Proposal | None]:
+    def _draft(self, gen: "_Generation", gamma: int, attempt: int = 0) -> tuple[list[int], pb.Proposal | None]:
         """This round's drafts and their proposal, or none while no drafter is reachable:
         the round is then a target-only step, which leaves the output distribution as it is.
         A lost session moves at once, in this round, to another drafter of the pool (its first
         Draft re-prefills `committed`); `attempt` counts this round's tries."""
-        if link.session_id is None and not self._connect_drafter(link, result):
+        link, committed, result = gen.drafter, gen.committed, gen.result
+        if link.session_id is None and not self._connect_drafter(gen):
             result.drafter_fallback_rounds += 1
             return [], None
         keep = _lcp(link.kv, committed, len(committed) - 1)
@@ -574,8 +489,9 @@ class SpeculativeClient:
         try:
             resp = link.server.stub.Draft(
                 pb.DraftRequest(session_id=link.session_id, truncate_to=keep, append_token_ids=committed[keep:],
-                                num_draft_tokens=min(gamma, link.max_draft_tokens), sampling=sampling,
-                                proposal_format=fmt_pb, prompt_length=prompt_length, fanout=link.fanout),
+                                num_draft_tokens=min(gamma, link.max_draft_tokens), sampling=gen.sampling,
+                                proposal_format=gen.proposal_format, prompt_length=gen.prompt_length,
+                                fanout=link.fanout),
                 timeout=self.timeout_s,
             )
         except grpc.RpcError as exc:
@@ -591,7 +507,7 @@ class SpeculativeClient:
             result.draft_time_s += time.perf_counter() - ts
         if resp is None:
             if attempt < len(self.drafters):  # each drafter of the pool may fail once per round
-                return self._draft(link, committed, gamma, sampling, fmt_pb, prompt_length, result, attempt + 1)
+                return self._draft(gen, gamma, attempt + 1)
             result.drafter_fallback_rounds += 1
             return [], None
         drafts = list(resp.draft_token_ids)
@@ -614,21 +530,22 @@ class SpeculativeClient:
         """The drafter holds nothing of this sequence, or lags more than ASYNC_CATCHUP_TOKENS."""
         return not link.kv or len(committed) - _lcp(link.kv, committed, len(committed)) > ASYNC_CATCHUP_TOKENS
 
-    def _start_prefill(self, link: "_DrafterLink", committed: list[int], sampling: pb.SamplingParams,
-                       fmt_pb: pb.ProposalFormat, prompt_length: int, result: GenerationResult) -> None:
+    def _start_prefill(self, gen: "_Generation") -> None:
         """Bring the drafter's cache up to `committed` in the background (a Draft of γ 0), off
         the critical path: the rounds go on without drafts until it lands (_collect_prefill)."""
-        if link.session_id is None and not self._connect_drafter(link, result):
+        link, committed = gen.drafter, gen.committed
+        if link.session_id is None and not self._connect_drafter(gen):
             return
         keep = _lcp(link.kv, committed, len(committed) - 1)
         req = pb.DraftRequest(session_id=link.session_id, truncate_to=keep, append_token_ids=committed[keep:],
-                              num_draft_tokens=0, sampling=sampling, proposal_format=fmt_pb,
-                              prompt_length=prompt_length)
+                              num_draft_tokens=0, sampling=gen.sampling, proposal_format=gen.proposal_format,
+                              prompt_length=gen.prompt_length)
         link.prefill = (link.server.stub.Draft.future(req, timeout=self.timeout_s), list(committed))
 
-    def _collect_prefill(self, link: "_DrafterLink", result: GenerationResult, block: bool) -> None:
+    def _collect_prefill(self, gen: "_Generation", block: bool) -> None:
         """Take the background prefill's answer if it is there (or wait for it with `block`).
         A lost drafter is handled as in _draft: the next round moves the session."""
+        link, result = gen.drafter, gen.result
         future, sequence = link.prefill
         if not block and not future.done():
             return
@@ -646,10 +563,11 @@ class SpeculativeClient:
         link.kv = sequence
         _check_kv("drafter", resp.kv_length, len(link.kv))
 
-    def _connect_drafter(self, link: "_DrafterLink", result: GenerationResult) -> bool:
+    def _connect_drafter(self, gen: "_Generation") -> bool:
         """Open a drafter session on the least-loaded drafter that answers (its first Draft
         prefills all committed tokens). False if none does now; the pool's backoff decides
         when each drafter is tried again, so a round while all are down costs no call."""
+        link, result = gen.drafter, gen.result
         lost_from = link.lost_from
         result.drafter_failures += len(self._open_session(self.drafters, link, _DRAFTER_LOST, self._check_drafter))
         if link.session_id is None:
@@ -803,6 +721,34 @@ class _DrafterLink(_Link):
     observed: tuple | None = None  # (EngineLoad, latency s, steps) of the last Draft, when it samples the step cost
 
 
+@dataclass
+class _Generation:
+    """One generation across its rounds. `committed` (prompt + generated tokens) is the source
+    of truth: each round truncates both sessions to their longest prefix that agrees with it,
+    and a session lost on either side is replaced by one re-prefilled from it."""
+
+    sampling: pb.SamplingParams
+    proposal_format: pb.ProposalFormat
+    prompt_length: int
+    committed: list[int]
+    result: GenerationResult
+    output: OutputProcessor
+    verifier: _Link
+    drafter: _DrafterLink
+    gamma_max: int  # 0: target-only rounds
+    controller: AdaptiveGamma | None  # γ "auto"; None for a fixed γ
+    counted_on: ServingCosts  # the load model that counts this generation as running (begin / end)
+    drafter_context: int  # drafts end at the drafter's max_context
+    shared_cpu: bool  # both engines on CPUs: a drafter prefill beside the verifier's only shares cores
+
+
+def _logprobs_from_pb(response: pb.VerifyResponse) -> list[dict]:
+    """One entry per output token: its logprob, rank and top-N {token id: logprob}."""
+    return [{"token_id": tok, "logprob": lp.logprob, "rank": lp.rank,
+             "top_logprobs": dict(zip(lp.top_token_ids, lp.top_logprobs))}
+            for tok, lp in zip(response.output_token_ids, response.logprobs)]
+
+
 def _note_server(link: _Link, lost_from: Server | None, addresses: list[str]) -> int:
     """Record the server of link's new session in `addresses`; 1 if the session moved there
     from the server of a lost one (a failover), else 0."""
@@ -815,16 +761,6 @@ def _note_server(link: _Link, lost_from: Server | None, addresses: list[str]) ->
 def _check_kv(role: str, reported: int, expected: int) -> None:
     if reported != expected:
         raise RuntimeError(f"{role} reports KV length {reported}, the client expected {expected}")
-
-
-def _find_stop(text: str, stops: Sequence[str], start: int) -> int | None:
-    """Index where the earliest stop string begins, searching from just before `start`."""
-    best = None
-    for s in stops:
-        i = text.find(s, max(0, start - len(s) + 1))
-        if i != -1 and (best is None or i < best):
-            best = i
-    return best
 
 
 def check_compatible(drafter: ModelInfo, verifier: ModelInfo) -> None:

@@ -1,0 +1,147 @@
+"""What a generation returns: its result, its stream chunks, and the output processor that
+turns each round's verified tokens into them (stop conditions, incremental detokenization)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+from specdec.sampling import SamplingParams
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # generated ids only
+    prompt_token_ids: list[int]
+    finish_reason: str  # "stop" (EOS, stop string or stop token) or "length"
+    num_rounds: int = 0
+    num_draft_tokens: int = 0  # proposed
+    num_accepted_tokens: int = 0  # accepted drafts
+    elapsed_s: float = 0.0
+    ttft_s: float = 0.0
+    draft_time_s: float = 0.0  # time spent in Draft calls (client side)
+    verify_time_s: float = 0.0  # time spent in Verify calls (client side)
+    # Engine time behind those calls, as the services reported it (EngineLoad): the device time
+    # and the wall time of the verifier steps that served its rounds, and the drafter's device
+    # time of the draft steps it ran for them. verify_time_s - verify_device_s is the host path.
+    verify_device_s: float = 0.0
+    verify_step_s: float = 0.0
+    draft_device_s: float = 0.0
+    token_times_s: list[float] = field(default_factory=list)  # arrival time of each generated token, from start
+    target_only: bool = False
+    # One entry per generated token when SamplingParams.logprobs is set: its logprob under
+    # the target's processed distribution, its rank, and the top-N {token id: logprob}.
+    logprobs: list[dict] | None = None
+    proposal_bytes: int = 0  # proposal bytes the drafter sent, summed over rounds
+    # Speculation cache (fanout > 0): drafts the drafter had pre-drafted during the previous
+    # verify, and the rounds whose drafts all came from there (no drafter forward waited for).
+    cached_draft_tokens: int = 0
+    speculation_hits: int = 0
+    gamma_per_round: list[int] = field(default_factory=list)  # drafts of each round (0: a target-only round)
+    num_speculative_rounds: int = 0  # rounds that verified at least one draft
+    # Faults survived. Fallback rounds ran without drafts because no drafter was reachable
+    # (the output distribution is the same, only slower); every recovery re-created a
+    # verifier session and re-prefilled it from the committed tokens. A failover is a lost
+    # session re-opened (and re-prefilled) on another server of the pool.
+    drafter_failures: int = 0  # failed Draft calls and failed attempts to open a drafter session
+    drafter_fallback_rounds: int = 0
+    verifier_recoveries: int = 0
+    drafter_failovers: int = 0
+    verifier_failovers: int = 0
+    # The servers this generation had its sessions on, in order (a new entry per move).
+    drafter_addresses: list[str] = field(default_factory=list)
+    verifier_addresses: list[str] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.pop("token_times_s")
+        out["acceptance_rate"] = self.acceptance_rate
+        out["tokens_per_s"] = self.tokens_per_s
+        out["num_generated_tokens"] = len(self.token_ids)
+        return out
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    token_ids: list[int]  # tokens committed this round
+    text: str  # new text since the previous chunk
+    result: GenerationResult | None = None  # set on the last chunk
+    logprobs: list[dict] | None = None  # this round's entries of GenerationResult.logprobs (SamplingParams.logprobs)
+
+
+class OutputProcessor:
+    """One generation's output side. Each round's verified tokens are committed one by one
+    until a stop condition holds, in vLLM's order: none before min_tokens, then EOS (unless
+    ignore_eos) or a stop token id, then max_tokens; stop strings are searched in the text.
+    The text streams incrementally: an incomplete UTF-8 sequence, and a tail that could be
+    the start of a stop string, are held back until a later round settles them."""
+
+    def __init__(self, tokenizer, params: SamplingParams, eos_token_ids: Sequence[int], result: GenerationResult,
+                 t0: float) -> None:
+        self.tokenizer = tokenizer
+        self.params = params
+        self.result = result
+        self.finished = False
+        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self._t0 = t0  # perf_counter at the generation's start
+        self._emitted = ""  # text already streamed
+
+    def commit(self, token_ids: Sequence[int], logprobs: Sequence[dict] | None, now: float) -> StreamChunk:
+        """Commit a round's tokens (the accepted drafts, then the bonus or recovered token) and
+        return the round's chunk; the last one carries the result. logprobs: one entry per
+        token (when SamplingParams.logprobs is set); now: perf_counter when the round answered."""
+        result, params = self.result, self.params
+        new: list[int] = []
+        logprobs_from = len(result.logprobs) if result.logprobs is not None else 0
+        for i, tok in enumerate(token_ids):
+            new.append(tok)
+            result.token_ids.append(tok)
+            result.token_times_s.append(now - self._t0)
+            if result.logprobs is not None and logprobs is not None and i < len(logprobs):
+                result.logprobs.append(logprobs[i])
+            if len(result.token_ids) < params.min_tokens:
+                continue
+            if tok in self._stop_ids:
+                result.finish_reason, self.finished = "stop", True
+            elif len(result.token_ids) >= params.max_tokens:
+                result.finish_reason, self.finished = "length", True
+            if self.finished:
+                break
+        if not result.ttft_s:
+            result.ttft_s = now - self._t0
+        text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        stops = params.stop if len(result.token_ids) >= params.min_tokens else ()
+        cut = find_stop(text, stops, len(self._emitted))
+        if cut is not None:
+            text, self.finished, result.finish_reason = text[:cut], True, "stop"
+        stable = text if self.finished else text.rstrip("\ufffd")
+        if not self.finished and stops:
+            hold = max(map(len, stops)) - 1
+            stable = stable[:max(len(self._emitted), len(stable) - hold)]
+        delta, self._emitted = stable[len(self._emitted):], stable
+        round_logprobs = result.logprobs[logprobs_from:] if result.logprobs is not None else None
+        if not self.finished:
+            return StreamChunk(token_ids=new, text=delta, logprobs=round_logprobs)
+        result.text = text
+        result.elapsed_s = time.perf_counter() - self._t0
+        return StreamChunk(token_ids=new, text=delta, result=result, logprobs=round_logprobs)
+
+
+def find_stop(text: str, stops: Sequence[str], start: int) -> int | None:
+    """Index where the earliest stop string begins, searching from just before `start`."""
+    best = None
+    for s in stops:
+        i = text.find(s, max(0, start - len(s) + 1))
+        if i != -1 and (best is None or i < best):
+            best = i
+    return best

@@ -1,0 +1,102 @@
+"""The client's output processor: stop conditions and incremental text, round by round,
+with the embedded model's real tokenizer (no services: this is the client's own logic)."""
+
+from __future__ import annotations
+
+import pytest
+
+from client.output import GenerationResult, OutputProcessor
+from specdec.models import ModelSpec, load_tokenizer
+from specdec.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(ModelSpec())
+
+
+def _processor(tokenizer, **params) -> OutputProcessor:
+    params = SamplingParams(**params)
+    result = GenerationResult(text="", token_ids=[], prompt_token_ids=[1], finish_reason="length",
+                              logprobs=[] if params.logprobs is not None else None)
+    return OutputProcessor(tokenizer, params, [tokenizer.eos_token_id], result, t0=0.0)
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def _rounds(out: OutputProcessor, rounds: list[list[int]]) -> list:
+    chunks = []
+    for i, ids in enumerate(rounds):
+        chunks.append(out.commit(ids, None, now=float(i + 1)))
+        if out.finished:
+            break
+    return chunks
+
+
+def test_a_stop_string_split_across_rounds_never_streams(tokenizer):
+    ids = _ids(tokenizer, " Hello world. STOP here")
+    out = _processor(tokenizer, max_tokens=50, stop=[" STOP"])
+    # " STOP" is one token here; split the text so the stop's first characters come a round early.
+    chunks = _rounds(out, [[i] for i in ids])
+    streamed = "".join(c.text for c in chunks)
+    assert out.finished and out.result.finish_reason == "stop"
+    assert out.result.text == " Hello world." == streamed
+    assert "STOP" not in streamed and chunks[-1].result is out.result
+
+
+def test_a_stop_string_inside_one_round_cuts_the_text_there(tokenizer):
+    out = _processor(tokenizer, max_tokens=50, stop=["world"])
+    chunk = out.commit(_ids(tokenizer, " Hello world. STOP here"), None, now=1.0)
+    assert out.finished and chunk.text == " Hello " == out.result.text
+
+
+def test_max_tokens_drops_the_rest_of_a_round(tokenizer):
+    ids = _ids(tokenizer, " one two three four five six")
+    out = _processor(tokenizer, max_tokens=4)
+    first = out.commit(ids[:3], None, now=1.0)
+    last = out.commit(ids[3:], None, now=2.0)
+    assert first.token_ids == ids[:3] and last.token_ids == ids[3:4]
+    assert out.result.token_ids == ids[:4] and out.result.finish_reason == "length"
+    assert out.result.token_times_s == [1.0, 1.0, 1.0, 2.0] and out.result.ttft_s == 1.0
+
+
+def test_eos_ends_a_round_unless_before_min_tokens_or_ignored(tokenizer):
+    eos = tokenizer.eos_token_id
+    word = _ids(tokenizer, " word")[0]
+    stops = _processor(tokenizer, max_tokens=10)
+    assert stops.commit([word, eos, word], None, now=1.0).token_ids == [word, eos]
+    assert stops.finished and stops.result.finish_reason == "stop"
+
+    early = _processor(tokenizer, max_tokens=10, min_tokens=3)
+    assert early.commit([word, eos, word], None, now=1.0).token_ids == [word, eos, word]
+    assert not early.finished
+
+    ignored = _processor(tokenizer, max_tokens=3, ignore_eos=True)
+    ignored.commit([eos, eos, eos], None, now=1.0)
+    assert ignored.result.finish_reason == "length"
+
+
+def test_a_stop_token_id_ends_the_generation(tokenizer):
+    ids = _ids(tokenizer, " a b c d")
+    out = _processor(tokenizer, max_tokens=10, stop_token_ids=[ids[2]])
+    assert out.commit(ids, None, now=1.0).token_ids == ids[:3]
+    assert out.result.finish_reason == "stop"
+
+
+def test_an_incomplete_utf8_character_is_held_until_complete(tokenizer):
+    ids = _ids(tokenizer, "🦙 llama")
+    out = _processor(tokenizer, max_tokens=len(ids))
+    chunks = _rounds(out, [[i] for i in ids])
+    assert all("\ufffd" not in c.text for c in chunks)
+    assert chunks[0].text == ""  # the first byte token alone is not a character yet
+    assert "".join(c.text for c in chunks) == "🦙 llama" == out.result.text
+
+
+def test_logprobs_are_kept_for_committed_tokens_only(tokenizer):
+    ids = _ids(tokenizer, " one two three")
+    out = _processor(tokenizer, max_tokens=2, logprobs=1)
+    entries = [{"token_id": t, "logprob": -0.5, "rank": 1, "top_logprobs": {t: -0.5}} for t in ids]
+    chunk = out.commit(ids, entries, now=1.0)
+    assert chunk.logprobs == entries[:2] == out.result.logprobs
