@@ -149,6 +149,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     v.add_argument("--service-threads", type=_positive("--service-threads"), default=2)
     v.add_argument("--batched", action="store_true",
                    help="one client thread sends every session's round of a step in one VerifyBatch call")
+    v.add_argument("--empty-calls", type=int, default=500,
+                   help="unary health checks timed first: what a gRPC call alone costs on this host (0 = skip)")
     v.add_argument("--json", default=None)
 
     from bench import engine as bench_engine, sampler as bench_sampler  # torch is imported by now anyway

@@ -14,6 +14,11 @@ Against the engine: every reply carries the step's device time and rows (EngineL
 each level also reports what the engine's own step allows, engine rows/s = rows per step ×
 1000 / device ms per step, and efficiency = rounds/s ÷ engine rows/s: the share of the
 engine's rate that the service around it delivers. Host ms = step wall time − device ms.
+
+The floor: before the levels, `--empty-calls` unary grpc.health.v1 Check calls on the same
+server (no engine, no session) measure what a call costs on this host by itself; each level
+prints its p50 round minus the mean engine step beside it, so the service's own share of a
+round is read against what gRPC alone takes.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import time
 
 import grpc
 import numpy as np
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
@@ -111,6 +118,23 @@ def _batched_worker(stub, concurrency: int, gamma: int, prompt_len: int, vocab: 
                 pass
 
 
+def empty_call_ms(address: str, calls: int) -> float | None:
+    """p50 ms of a unary grpc.health.v1 Check on `address`, after a warm-up; None for 0 calls."""
+    if calls <= 0:
+        return None
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        request = health_pb2.HealthCheckRequest()
+        for _ in range(min(calls, 50)):
+            stub.Check(request, timeout=10)
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            stub.Check(request, timeout=10)
+            times.append(time.perf_counter() - t0)
+    return float(np.percentile(times, 50)) * 1000
+
+
 def run_level(address: str, concurrency: int, gamma: int, prompt_len: int, seconds: float,
               batched: bool = False) -> dict:
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
@@ -168,8 +192,10 @@ def run_level(address: str, concurrency: int, gamma: int, prompt_len: int, secon
         "scored_tokens_per_s": round(total_rounds * (gamma + 1) / elapsed, 1),
         # requests include each session's prefill; the mean is over everything the server batched
         "mean_batch_size": round(requests / batches, 2),
-        "p50_round_ms": round(float(np.percentile(lat_ms, 50)), 1) if len(lat_ms) else None,
-        "p99_round_ms": round(float(np.percentile(lat_ms, 99)), 1) if len(lat_ms) else None,
+        "p50_round_ms": round(float(np.percentile(lat_ms, 50)), 2) if len(lat_ms) else None,
+        "p99_round_ms": round(float(np.percentile(lat_ms, 99)), 2) if len(lat_ms) else None,
+        # what a round costs beyond the engine step that served it (gRPC both ways, queueing, replies)
+        "p50_over_step_ms": round(float(np.percentile(lat_ms, 50)) - step_ms, 3) if len(lat_ms) and loads else None,
         "mean_step_ms": round(step_ms, 3),
         "mean_device_ms": round(device_ms, 3),
         "mean_host_ms": round(max(step_ms - device_ms, 0.0), 3),
@@ -195,6 +221,9 @@ def run(args) -> int:
         service = start_service("verifier", extra, threads=args.service_threads)
         address = service.address
     try:
+        floor_ms = empty_call_ms(address, args.empty_calls)
+        if floor_ms is not None:
+            print(f"empty call (grpc.health.v1 Check, {args.empty_calls} calls): p50 {floor_ms:.3f} ms", flush=True)
         rows = []
         for c in levels:
             rows.append(run_level(address, c, args.num_speculative_tokens, args.prompt_len, args.seconds,
@@ -211,10 +240,13 @@ def run(args) -> int:
             print(f"                 step {r['mean_step_ms']:.2f} ms = device {r['mean_device_ms']:.2f} + host "
                   f"{r['mean_host_ms']:.2f} ms ({r['mean_step_rows']:.1f} rows); engine allows "
                   f"{r['engine_rows_per_s'] or 0:.0f} rows/s; efficiency {eff}", flush=True)
+            if r["p50_over_step_ms"] is not None:
+                floor = "" if floor_ms is None else f" (an empty call: {floor_ms:.2f} ms)"
+                print(f"                 p50 round = step + {r['p50_over_step_ms']:.2f} ms{floor}", flush=True)
     finally:
         if service is not None:
             service.stop()
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"verifier": address, "levels": rows}, fh, indent=2)
+            json.dump({"verifier": address, "empty_call_p50_ms": floor_ms, "levels": rows}, fh, indent=2)
     return 0

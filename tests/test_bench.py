@@ -225,3 +225,24 @@ def test_sweep_writes_a_png_and_both_modes_per_point(drafter_proc, verifier_proc
         # the first round of each request never drafts; with a fixed γ the others do
         assert 0 < spec["speculative_round_share"] < 1
         assert spec["mean_drafts_per_round"] == pytest.approx(spec["total_draft_tokens"] / spec["total_rounds"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("front", ["unary", "batched"])
+def test_verifier_bench_reports_the_engine_step_and_the_cost_of_an_empty_call(verifier_proc, tmp_path, front):
+    out = tmp_path / "verifier.json"
+    rc = main(["bench", "verifier", "--verifier", verifier_proc.address, "--concurrency", "1,3",
+               "--num-speculative-tokens", "2", "--seconds", "1", "--prompt-len", "8", "--empty-calls", "20",
+               "--json", str(out), *(["--batched"] if front == "batched" else [])])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["empty_call_p50_ms"] > 0
+    assert [x["concurrency"] for x in res["levels"]] == [1, 3]
+    for level in res["levels"]:
+        assert level["front"] == front and level["gamma"] == 2 and level["rounds"] > 0
+        assert level["scored_tokens_per_s"] == pytest.approx(3 * level["rounds_per_s"], rel=0.01)
+        assert level["mean_step_ms"] >= level["mean_device_ms"] > 0
+        assert level["p99_round_ms"] >= level["p50_round_ms"] > 0
+        # a round contains the step that served it, so the service cannot beat its own engine
+        assert level["p50_over_step_ms"] > -0.5 and 0 < level["efficiency"] <= 1.05
+    assert res["levels"][1]["mean_step_rows"] > 1  # three sessions share steps
