@@ -272,8 +272,8 @@ class ServingModel:
         self, truncate_to: int, append_token_ids: list[int], num_draft: int, params: SamplingParams,
         draft_field: str = "num_draft_tokens", prompt_length: int = 0, fanout: int = 0,
     ) -> None:
-        """Checks that need no session: ids, gamma, lengths (and a drafter's fanout)."""
-        params.validate()
+        """Checks that need no session: ids, gamma, lengths (and a drafter's fanout). `params`
+        was validated when it was built (SamplingParams is frozen)."""
         if fanout < 0:
             raise InvalidArgument("fanout", f"must be >= 0, got {fanout}")
         self.check_token_ids(list(params.stop_token_ids), "sampling.stop_token_ids")

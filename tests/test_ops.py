@@ -100,6 +100,7 @@ def test_metrics_count_a_generation_and_its_errors(services):
     assert v[f"grpc_server_handling_seconds_count{{grpc_method=Verify,{svc}}}"] >= result.num_rounds
     assert v["specdec_draft_tokens_per_call_sum{grpc_method=Verify}"] >= result.num_draft_tokens
     assert v["specdec_concurrent_calls_count{}"] >= result.num_rounds
+    assert v["specdec_inflight_calls{}"] == 0  # every call above has returned
     assert v["specdec_engine_requests_total{role=verifier}"] >= result.num_rounds
     assert v["specdec_forwards_total{role=verifier}"] >= result.num_rounds
     assert v["specdec_batch_size_count{role=verifier}"] >= result.num_rounds  # one batch per round here, or fewer

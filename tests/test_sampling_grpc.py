@@ -13,7 +13,8 @@ from specdec.proposals import SPARSE, ProposalFormat
 from specdec.sampling import SamplingParams, TokenContext, logits_to_probs, process_logits
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
-from specdec_rpc.adapters import proposal_format_to_pb, sampling_to_pb
+from specdec.errors import InvalidArgument
+from specdec_rpc.adapters import proposal_format_to_pb, sampling_from_pb, sampling_to_pb
 from tests.conftest import chi_square_pvalue
 
 
@@ -51,6 +52,18 @@ def test_invalid_sampling_parameter_is_invalid_argument_naming_it(stubs, field, 
         with pytest.raises(grpc.RpcError) as err:
             call()
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+
+
+def test_one_params_object_per_sampling_message_and_rejections_are_never_remembered():
+    """Every round re-sends its session's SamplingParams; the services build it once."""
+    first = sampling_from_pb(pb.SamplingParams(temperature=0.5, top_p=0.9, seed=3))
+    again = sampling_from_pb(pb.SamplingParams(seed=3, top_p=0.9, temperature=0.5))
+    assert again is first and (first.temperature, first.seed) == (0.5, 3) and first.top_p == pytest.approx(0.9)
+    other = sampling_from_pb(pb.SamplingParams(temperature=0.5, top_p=0.9, seed=4))
+    assert other is not first and other.seed == 4
+    for _ in range(2):  # raised each time, never stored
+        with pytest.raises(InvalidArgument, match="min_p"):
+            sampling_from_pb(pb.SamplingParams(min_p=1.5))
 
 
 def test_prompt_length_past_the_sequence_is_invalid_argument(stubs):
