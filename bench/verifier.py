@@ -181,6 +181,7 @@ def run_level(address: str, concurrency: int, gamma: int, prompt_len: int, secon
     step_ms = float(np.mean([x.step_ms for x in loads])) if loads else 0.0
     step_rows = float(np.mean([x.step_rows for x in loads])) if loads else 0.0
     rounds_per_s = total_rounds / elapsed
+    p50_ms = float(np.percentile(lat_ms, 50)) if len(lat_ms) else None
     engine_rows_per_s = step_rows * 1000 / device_ms if device_ms else None
     return {
         "concurrency": concurrency,
@@ -192,10 +193,10 @@ def run_level(address: str, concurrency: int, gamma: int, prompt_len: int, secon
         "scored_tokens_per_s": round(total_rounds * (gamma + 1) / elapsed, 1),
         # requests include each session's prefill; the mean is over everything the server batched
         "mean_batch_size": round(requests / batches, 2),
-        "p50_round_ms": round(float(np.percentile(lat_ms, 50)), 2) if len(lat_ms) else None,
+        "p50_round_ms": round(p50_ms, 2) if p50_ms is not None else None,
         "p99_round_ms": round(float(np.percentile(lat_ms, 99)), 2) if len(lat_ms) else None,
         # what a round costs beyond the engine step that served it (gRPC both ways, queueing, replies)
-        "p50_over_step_ms": round(float(np.percentile(lat_ms, 50)) - step_ms, 3) if len(lat_ms) and loads else None,
+        "p50_over_step_ms": round(p50_ms - step_ms, 3) if p50_ms is not None and loads else None,
         "mean_step_ms": round(step_ms, 3),
         "mean_device_ms": round(device_ms, 3),
         "mean_host_ms": round(max(step_ms - device_ms, 0.0), 3),

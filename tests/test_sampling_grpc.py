@@ -9,11 +9,11 @@ import grpc
 import pytest
 import torch
 
+from specdec.errors import InvalidArgument
 from specdec.proposals import SPARSE, ProposalFormat
 from specdec.sampling import SamplingParams, TokenContext, logits_to_probs, process_logits
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
-from specdec.errors import InvalidArgument
 from specdec_rpc.adapters import proposal_format_to_pb, sampling_from_pb, sampling_to_pb
 from tests.conftest import chi_square_pvalue
 
