@@ -227,9 +227,14 @@ class SpeculativeClient:
             return self.encode_chat([{"role": "user", "content": prompt}])
         return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
 
-    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
-        """Token ids of a conversation through the model's chat template, ready for the reply."""
-        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, **template_kwargs) -> list[int]:
+        """Token ids of a conversation through the model's chat template, ready for the reply
+        (add_generation_prompt), or ending inside the last assistant message, which the reply
+        then continues (continue_final_message). template_kwargs: the template's own variables."""
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                                 continue_final_message=continue_final_message, tokenize=True,
+                                                 **template_kwargs)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)

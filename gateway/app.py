@@ -144,7 +144,8 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
             raise APIError(404, f"The model `{model}` does not exist; this server serves {', '.join(names)}.",
                            param="model", code="model_not_found")
         if chat:
-            prompt_ids = await upstream.encode(messages=body.template_messages())
+            prompt_ids = await upstream.encode(messages=body.template_messages(),
+                                               template_options=body.template_options())
         else:
             prompt = body.single_prompt()
             if not isinstance(prompt, str) and not all(0 <= t < client.verifier_info.vocab_size for t in prompt):

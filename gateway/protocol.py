@@ -3,7 +3,8 @@ stream-chunk bodies built from the client's StreamChunk / GenerationResult.
 
 Request fields map onto SamplingParams by the same names (vLLM's), so `SamplingParams`
 stays the one place that validates them: its InvalidArgument names the field, which
-becomes the error's `param`. What OpenAI defines and this server does not do (n > 1,
+becomes the error's `param`. Chat requests also take vLLM's chat-template extras
+(add_generation_prompt, continue_final_message, chat_template_kwargs). What OpenAI defines and this server does not do (n > 1,
 best_of, echo, suffix, logit_bias, tools, structured output) is refused with 400 naming
 the field, never silently ignored.
 """
@@ -127,6 +128,15 @@ class ResponseFormat(BaseModel):
     type: str
 
 
+# apply_chat_template's own parameters: what the request's fields set, or what a request must
+# not choose (the template itself, tokenization): never taken from chat_template_kwargs.
+_TEMPLATE_CALL_ARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
@@ -135,6 +145,11 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's chat-template extras: an assistant prefix to continue, and the template's own
+    # variables (e.g. Qwen3's enable_thinking)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -146,6 +161,22 @@ class ChatCompletionRequest(_Sampling):
             raise bad_request("response_format", f"response_format {self.response_format.type!r} is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs", "top_logprobs needs logprobs=true")
+        if self.continue_final_message:
+            if self.add_generation_prompt:  # vLLM's rule and wording
+                raise bad_request("continue_final_message", "Cannot set both `continue_final_message` and "
+                                                            "`add_generation_prompt` to True.")
+            if self.messages[-1].role != "assistant":
+                raise bad_request("continue_final_message", "continue_final_message needs the last message to be "
+                                                            f"the assistant's, got role {self.messages[-1].role!r}")
+        reserved = set(self.chat_template_kwargs or ()) & _TEMPLATE_CALL_ARGS
+        if reserved:
+            raise bad_request("chat_template_kwargs", f"chat_template_kwargs may only hold the template's own "
+                                                      f"variables, not {', '.join(sorted(reserved))}")
+
+    def template_options(self) -> dict[str, Any]:
+        """Keyword arguments for the tokenizer's apply_chat_template beside the messages."""
+        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The conversation as the chat template takes it: text content only."""

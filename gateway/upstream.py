@@ -241,13 +241,14 @@ class Upstream:
 
     # ---- requests -----------------------------------------------------------------------------
 
-    async def encode(self, prompt: str | Sequence[int] | None = None, messages: list[dict] | None = None) -> list[int]:
+    async def encode(self, prompt: str | Sequence[int] | None = None, messages: list[dict] | None = None,
+                     template_options: dict | None = None) -> list[int]:
         client = self.require()
 
         def encode() -> list[int]:
             with self._encode_lock:
                 if messages is not None:
-                    return client.encode_chat(messages)
+                    return client.encode_chat(messages, **(template_options or {}))
                 return client.encode_prompt(prompt)
 
         try:

@@ -158,6 +158,25 @@ def test_logprobs_are_returned_per_token_in_the_chat_shape(oai, model):
         assert entry.logprob == pytest.approx(max(t.logprob for t in entry.top_logprobs))  # greedy: the argmax
 
 
+@pytest.mark.slow
+def test_continue_final_message_continues_the_assistants_text(oai, model, tokenizer):
+    """vLLM's assistant prefill: the prompt ends inside the last assistant message (no end of
+    turn after it) and the reply is its continuation, as a completion of those ids would be."""
+    prefix = "The sky looks blue because"
+    messages = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": prefix}]
+    reply = oai.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
+                                        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True,
+                                        tokenize=True)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
+    assert tokenizer.decode(ids).endswith(prefix)  # the turn is left open
+    assert reply.usage.prompt_tokens == len(ids)
+    same = oai.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0)
+    assert reply.choices[0].message.content == same.choices[0].text != ""
+    closed = oai.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+    assert closed.usage.prompt_tokens > len(ids)  # the default closes the turn and opens a new one
+
+
 # ---- errors ----------------------------------------------------------------------------------
 
 
@@ -170,7 +189,13 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
         return httpx.post(f"{base_url}/v1/chat/completions", json={"model": model, "messages": messages})
     client = oai if case != "wrong key" else openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0)
     kwargs = {"unknown model": {"model": "no-such-model"}, "n=2": {"n": 2}, "temperature=-1": {"temperature": -1},
-              "max_tokens past the context": {"max_tokens": 4096}, "wrong key": {}}[case]
+              "max_tokens past the context": {"max_tokens": 4096}, "wrong key": {},
+              # vLLM's chat-template extras: add_generation_prompt defaults to true
+              "continue_final_message with a generation prompt": {"extra_body": {"continue_final_message": True}},
+              "continue_final_message after a user message": {
+                  "extra_body": {"continue_final_message": True, "add_generation_prompt": False}},
+              "chat_template_kwargs naming a call argument": {"extra_body": {"chat_template_kwargs": {"tokenize": False}}},
+              }[case]
     with pytest.raises(openai.APIStatusError) as info:
         client.chat.completions.create(**{"model": model, "messages": messages, "max_tokens": 2, **kwargs})
     return info.value
@@ -185,6 +210,9 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
     ("malformed JSON", 400, None, "invalid_json"),
     ("wrong key", 401, None, "invalid_api_key"),
     ("missing key", 401, None, "invalid_api_key"),
+    ("continue_final_message with a generation prompt", 400, "continue_final_message", None),
+    ("continue_final_message after a user message", 400, "continue_final_message", None),
+    ("chat_template_kwargs naming a call argument", 400, "chat_template_kwargs", None),
 ])
 def test_bad_request_gets_its_status_and_openai_error_body_and_the_gateway_keeps_serving(
         oai, model, base_url, case, status, param, code):
