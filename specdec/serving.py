@@ -276,6 +276,8 @@ class ServingModel:
         was validated when it was built (SamplingParams is frozen)."""
         if fanout < 0:
             raise InvalidArgument("fanout", f"must be >= 0, got {fanout}")
+        if truncate_to < 0:  # first: the prompt_length bound below is stated in terms of it
+            raise InvalidArgument("truncate_to", f"must be >= 0, got {truncate_to}")
         self.check_token_ids(list(params.stop_token_ids), "sampling.stop_token_ids")
         if not 0 <= prompt_length <= truncate_to + len(append_token_ids):
             raise InvalidArgument(
@@ -291,8 +293,6 @@ class ServingModel:
         self.check_token_ids(append_token_ids, "append_token_ids")
         if not 0 <= num_draft <= self.config.max_draft_tokens:
             raise InvalidArgument(draft_field, f"must be in [0, {self.config.max_draft_tokens}], got {num_draft}")
-        if truncate_to < 0:
-            raise InvalidArgument("truncate_to", f"must be >= 0, got {truncate_to}")
         end = truncate_to + len(append_token_ids) + num_draft
         if end > self.lm.max_context:
             raise OutOfRange(

@@ -120,9 +120,10 @@ def test_bad_input_gets_clear_status_codes_and_the_session_survives(drafter_stub
         ("top_p", dict(append_token_ids=[1], num_draft_tokens=1), pb.SamplingParams(top_p=1.5)),
         ("top_k", dict(append_token_ids=[1], num_draft_tokens=1), pb.SamplingParams(top_k=-1)),
         ("append_token_ids", dict(append_token_ids=[]), None),
+        ("truncate_to", dict(append_token_ids=[1], truncate_to=-5), None),
     ]
     for field, fields, sampling in cases:
-        req = pb.DraftRequest(session_id=d, truncate_to=0, sampling=sampling or GREEDY, **fields)
+        req = pb.DraftRequest(session_id=d, sampling=sampling or GREEDY, **{"truncate_to": 0, **fields})
         code, details = _code_and_details(lambda: drafter_stub.Draft(req))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details, (field, code, details)
     for field, req in [
@@ -132,6 +133,7 @@ def test_bad_input_gets_clear_status_codes_and_the_session_survives(drafter_stub
                                              sampling=GREEDY)),
         ("proposal", pb.VerifyRequest(session_id=v, append_token_ids=[1], draft_token_ids=[1],
                                       sampling=pb.SamplingParams(temperature=1.0))),
+        ("truncate_to", pb.VerifyRequest(session_id=v, truncate_to=-5, append_token_ids=[1], sampling=GREEDY)),
         ("proposal.probs", pb.VerifyRequest(session_id=v, append_token_ids=[1], draft_token_ids=[1],
                                             sampling=pb.SamplingParams(temperature=1.0),
                                             proposal=pb.Proposal(kind=pb.DENSE, shape=[1, 49152], probs=b"x"))),
