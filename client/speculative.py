@@ -169,6 +169,11 @@ class SpeculativeClient:
             try:
                 answered.append((server, model_info_from_pb(call.result())))
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # a server of the other role (swapped addresses)
+                    other = "drafter" if pool.role == "verifier" else "verifier"
+                    raise IncompatibleModels(
+                        f"{server.address} does not serve the {pool.role} API ({exc.details()}); is it a {other}? "
+                        f"check the {pool.role} address") from exc
                 if exc.code() not in lost:
                     raise
                 log.warning("%s %s unavailable at start code=%s details=%r; will retry it", pool.role,

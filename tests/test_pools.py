@@ -141,6 +141,15 @@ def test_verifiers_of_one_pool_must_serve_the_same_target():
 # ---- real processes -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
+def test_swapped_drafter_and_verifier_addresses_are_named_not_reported_as_unimplemented(verifier_proc,
+                                                                                         drafter_proc):
+    with pytest.raises(IncompatibleModels, match=f"{drafter_proc.address} does not serve the verifier API.*drafter"):
+        SpeculativeClient(drafter=verifier_proc.address, verifier=drafter_proc.address)
+    with pytest.raises(IncompatibleModels, match=f"{verifier_proc.address} does not serve the drafter API.*verifier"):
+        SpeculativeClient(drafter=verifier_proc.address, verifier=verifier_proc.address)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
