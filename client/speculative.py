@@ -151,17 +151,54 @@ class SpeculativeClient:
             self.verifiers.succeeded(server, info)
         self.drafter_info: ModelInfo | None = None
         if self.drafters is not None:
-            drafters = self._probe(self.drafters, _DRAFTER_LOST)
+            # No drafter up yet is not fatal: generations run target-only (as when every drafter
+            # is lost mid-run) and `effective_gamma` lets one join as soon as it answers.
+            drafters = self._probe(self.drafters, _DRAFTER_LOST, required=False)
             for server, info in drafters:
                 check_compatible(info, self.verifier_info)
-            self.drafter_info = _smallest_limits(drafters[0][1], [info for _, info in drafters])
+            if drafters:
+                self.drafter_info = _smallest_limits(drafters[0][1], [info for _, info in drafters])
+            else:
+                log.warning("no drafter of %s answers yet: generations run target-only until one does",
+                            ", ".join(s.address for s in self.drafters.servers))
             for server, info in drafters:
                 self.drafters.succeeded(server, info)
 
-    def _probe(self, pool: ServerPool, lost: frozenset) -> list[tuple[Server, ModelInfo]]:
+    def _late_drafter(self) -> None:
+        """No drafter had answered: ask one that is due for a retry (the pool's backoff: at most
+        one call per backoff period while all are down), off the caller's path: the generation
+        that asks runs target-only, and the first drafter that answers and fits sets drafter_info
+        for the ones after it."""
+        server = self.drafters.pick()
+        if server is None:
+            return
+        call = server.stub.GetModelInfo.future(pb.ModelInfoRequest(), timeout=min(self.timeout_s, 5.0))
+        call.add_done_callback(lambda done: self._drafter_answered(server, done))
+
+    def _drafter_answered(self, server: Server, call: grpc.Future) -> None:
+        """_late_drafter's answer (on a gRPC thread)."""
+        try:
+            info = model_info_from_pb(call.result())
+            check_compatible(info, self.verifier_info)
+        except IncompatibleModels as exc:
+            self.drafters.disable(server, str(exc))
+            log.error("drafter %s does not fit the verifier (%s); it is left out", server.address, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - still down (or not a drafter): retried after its backoff
+            self.drafters.failed(server)
+            log.debug("drafter %s still not answering: %r", server.address, exc)
+            return
+        finally:
+            self.drafters.release(server)
+        if self.drafter_info is None:
+            self.drafter_info = info
+        self.drafters.succeeded(server, info)
+        log.info("drafter %s answers (%s); speculation starts", server.address, info.model)
+
+    def _probe(self, pool: ServerPool, lost: frozenset, required: bool = True) -> list[tuple[Server, ModelInfo]]:
         """(server, its ModelInfo) of the servers that answer GetModelInfo, in pool order; the
         others are marked down (tried again when a session needs one). Raises the first
-        error if none answers, or any error that is not a lost server's."""
+        error if none answers (unless not `required`), or any error that is not a lost server's."""
         calls = [(s, s.stub.GetModelInfo.future(pb.ModelInfoRequest(), timeout=self.timeout_s))
                  for s in pool.servers]
         answered, errors = [], []
@@ -180,7 +217,7 @@ class SpeculativeClient:
                             server.address, exc.code().name, exc.details())
                 pool.failed(server)
                 errors.append(exc)
-        if not answered:
+        if not answered and required:
             raise errors[0]
         return answered
 
@@ -251,7 +288,10 @@ class SpeculativeClient:
             return self._costs.setdefault(verifier_address, ServingCosts())
 
     def effective_gamma(self, gamma: int) -> int:
-        """γ as rounds will use it: capped by both services' max_draft_tokens; 0 without a drafter."""
+        """γ as rounds will use it: capped by both services' max_draft_tokens; 0 without a drafter
+        (none given, or none has answered yet: then one that is due for a retry is asked)."""
+        if gamma > 0 and self.drafter_info is None and self.drafters is not None:
+            self._late_drafter()
         if gamma <= 0 or self.drafter_info is None:
             return 0
         return min(gamma, self.drafter_info.max_draft_tokens, self.verifier_info.max_draft_tokens)
@@ -664,7 +704,7 @@ class SpeculativeClient:
         """A drafter joining the pool later (or coming back): one vocabulary with the verifier,
         and room for the context the client plans drafts for (a smaller γ cap is fine)."""
         check_compatible(info, self.verifier_info)
-        if info.max_context < self.drafter_info.max_context:
+        if self.drafter_info is not None and info.max_context < self.drafter_info.max_context:
             raise IncompatibleModels(
                 f"drafter context {info.max_context} is below the pool's {self.drafter_info.max_context}")
 

@@ -171,6 +171,31 @@ def _target_only(client: SpeculativeClient, prompts: list[str]) -> list[list[int
 
 
 @pytest.mark.slow
+def test_a_client_whose_only_drafter_is_down_starts_target_only_and_speculates_once_it_is_up(verifier_proc):
+    """A drafter that is not up yet (a container still loading) must not keep the client, or a
+    gateway in front of it, from serving: generations run target-only, and speculation starts
+    by itself once the drafter answers."""
+    late = f"127.0.0.1:{_free_port()}"
+    drafter = None
+    try:
+        with SpeculativeClient(verifier_proc.address, drafter=late) as client:
+            assert client.drafter_info is None and client.drafters.servers[0].down
+            expected = client.generate(PROMPTS[0], GREEDY.replace(max_tokens=12), target_only=True).token_ids
+            alone = client.generate(PROMPTS[0], GREEDY.replace(max_tokens=12), num_speculative_tokens=4)
+            assert alone.token_ids == expected and alone.num_draft_tokens == 0
+            drafter = start_service("drafter", ARGS, port=int(late.rsplit(":", 1)[1]), threads=1)
+            wait_for(lambda: client.generate(PROMPTS[0], GREEDY.replace(max_tokens=12),
+                                             num_speculative_tokens=4).num_draft_tokens > 0,
+                     60, "speculation to start once the drafter answers")
+            later = client.generate(PROMPTS[0], GREEDY.replace(max_tokens=12), num_speculative_tokens=4)
+            assert later.token_ids == expected and later.drafter_addresses == [late]
+            assert client.drafter_info is not None and client.drafter_info.role == "drafter"
+    finally:
+        if drafter is not None:
+            drafter.kill()
+
+
+@pytest.mark.slow
 def test_drafter_pool_takes_a_late_drafter_balances_and_moves_a_killed_drafters_sessions(verifier_proc,
                                                                                           drafter_proc):
     """2 drafters + 1 verifier. The first drafter is down when the client starts (tolerated,
