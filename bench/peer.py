@@ -126,6 +126,8 @@ def run_peer(*, dataset: str, num_prompts: int, max_tokens: int, gammas: Sequenc
             services.append(start_service("verifier", ["--log-level", "WARNING"], threads=service_threads))
             drafter, verifier = services[0].address, services[1].address
         with SpeculativeClient(verifier, drafter=drafter, num_speculative_tokens=max(gammas)) as client:
+            if client.drafter_info is None:
+                raise ValueError(f"the drafter at {drafter} does not answer")
             prompts = [encode(client, p, chat) for p in chosen]
             cap = min(client.drafter_info.max_draft_tokens, client.verifier_info.max_draft_tokens)
             if max(gammas) > cap:
