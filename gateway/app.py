@@ -154,7 +154,6 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
         params = sampling_params(body, len(prompt_ids), client.verifier_info.max_context)
         builder = ResponseBuilder(chat=chat, model=model, prompt_tokens=len(prompt_ids),
                                   decode=upstream.decode_token, logprobs=params.logprobs is not None,
-                                  hold=max((len(stop) - 1 for stop in params.stop), default=0),
                                   include_usage=bool(body.stream_options and body.stream_options.include_usage))
         timer = metrics.timer(endpoint)
         gen = upstream.start(prompt_ids, params)

@@ -276,10 +276,7 @@ class ResponseBuilder:
     logprobs: bool = False
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
-    hold: int = 0  # characters held back while streaming: the longest stop string's length - 1
     _offset: int = 0  # text_offset of the next completion logprob
-    _streamed: str = ""  # the client's text so far
-    _emitted: int = 0  # characters of it sent
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -301,18 +298,11 @@ class ResponseBuilder:
     def chunks(self, chunk: StreamChunk) -> list[dict]:
         """The SSE bodies for one round's chunk (none for a round whose text is held back).
 
-        With stop strings the last `hold` characters wait for the next round: a stop string
-        that the next round completes may begin in them, and the final text is cut before it
-        (as vLLM holds back text that could start a stop string). The last chunk sends the
-        final text's rest, so the chunks always concatenate to the non-streamed text."""
+        The text is the client's as it settled it (client/output.py): a tail that could begin a
+        stop string, or an incomplete UTF-8 sequence, is held back there until a later round
+        settles it, so the chunks concatenate to the non-streamed text."""
         out = []
-        self._streamed += chunk.text
-        result = chunk.result
-        if result is None:
-            text = self._streamed[self._emitted:max(self._emitted, len(self._streamed) - self.hold)]
-        else:
-            text = result.text[self._emitted:]
-        self._emitted += len(text)
+        result, text = chunk.result, chunk.text
         lp = self._logprobs(chunk.logprobs) if self.logprobs and chunk.logprobs else None
         if text or lp:
             out.append(self._chunk({"content": text} if self.chat else text, None, lp))

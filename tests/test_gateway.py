@@ -19,8 +19,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.serve import server_stats
 from cli import main
 from client.launcher import start_gateway, start_service
+from client.output import OutputProcessor
 from client.speculative import GenerationResult, StreamChunk
 from gateway.protocol import ResponseBuilder
+from specdec.sampling import SamplingParams
 from tests.conftest import wait_for
 
 API_KEY = "test-gateway-key"
@@ -419,13 +421,21 @@ def _stream_text(builder: ResponseBuilder, chunks: list[StreamChunk]) -> str:
     return "".join(b["choices"][0]["text"] for b in bodies if b["choices"])
 
 
-def test_a_stop_string_across_rounds_is_never_streamed():
-    """The client cuts the final text before a stop string that a later round completes; the
-    text streamed before that round must not already contain its beginning."""
-    result = GenerationResult(text="Hello ", token_ids=[1, 2, 3], prompt_token_ids=[0], finish_reason="stop")
-    chunks = [StreamChunk([1], "Hello wor"), StreamChunk([2, 3], "ld! More", result=result)]
-    builder = ResponseBuilder(chat=False, model="m", prompt_tokens=1, decode=str, hold=len("world") - 1)
-    assert _stream_text(builder, chunks) == "Hello " == result.text
+def test_a_stop_string_across_rounds_is_never_streamed(tokenizer):
+    """One token a round, as the client's OutputProcessor settles them: the stop string ends
+    in a later round than it begins, and no streamed chunk carries any of it."""
+    ids = tokenizer("Hello world! More text", add_special_tokens=False).input_ids
+    result = GenerationResult(text="", token_ids=[], prompt_token_ids=[0], finish_reason="length")
+    output = OutputProcessor(tokenizer, SamplingParams(max_tokens=32, stop=["world!"]), (), result, 0.0)
+    builder = ResponseBuilder(chat=False, model="m", prompt_tokens=1, decode=str)
+    streamed = []
+    for tok in ids:
+        chunk = output.commit([tok], None, 0.0)
+        streamed += [b["choices"][0]["text"] for b in builder.chunks(chunk) if b["choices"]]
+        if chunk.result is not None:
+            break
+    assert "".join(streamed) == result.text == "Hello " and result.finish_reason == "stop"
+    assert len(ids) > 3  # "world!" spans rounds: it is held back, then cut
 
 
 def test_without_stop_strings_every_round_is_streamed_at_once():
