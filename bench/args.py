@@ -44,7 +44,8 @@ def _gamma(text: str) -> int | str:
 
 def _add_dataset_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: int) -> None:
     p.add_argument("--dataset", default="specbench",
-                   help="'specbench' (the shipped 126 prompts, 7 categories) or a ShareGPT JSON file")
+                   help="'specbench' (the shipped 126 prompts, 7 categories), a ShareGPT JSON file, or a .jsonl "
+                        "file of {\"prompt\": ...} lines (vLLM's custom dataset)")
     p.add_argument("--num-prompts", type=_positive("--num-prompts"), default=num_prompts)
     p.add_argument("--max-tokens", type=_positive("--max-tokens"), default=max_tokens)
     p.add_argument("--seed", type=int, default=0, help="prompt order, arrivals and per-request sampling seeds")

@@ -1,4 +1,4 @@
-"""Benchmark prompts: the shipped Spec-Bench-style set, or a ShareGPT JSON file.
+"""Benchmark prompts: the shipped Spec-Bench-style set, a ShareGPT JSON file, or a JSONL file of prompts.
 
 The shipped set (`data/prompts.jsonl`, written for this project) has 18 prompts in each
 of Spec-Bench's six categories plus code. One JSON object per line:
@@ -9,6 +9,9 @@ as one chat with all those messages).
 A ShareGPT file is a JSON list of `{"conversations": [{"from": "human", "value": ...},
 {"from": "gpt", "value": ...}, ...]}`; each entry contributes its first human turn,
 labelled with the category "sharegpt".
+
+A `.jsonl` file is vLLM's custom dataset: one `{"prompt": ...}` object per line (an
+optional "category" labels it, else "custom"; other keys are ignored).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Sequence
 SHIPPED = "specbench"
 SHIPPED_PATH = Path(__file__).resolve().parent / "data" / "prompts.jsonl"
 SHAREGPT = "sharegpt"
+CUSTOM = "custom"
 
 CATEGORIES = {
     "multi_turn": "multi-turn conversation",
@@ -72,26 +76,54 @@ def load_shipped(path: Path = SHIPPED_PATH) -> list[BenchPrompt]:
 
 def load_sharegpt(path: str | Path) -> list[BenchPrompt]:
     with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not a JSON file ({exc}); one JSON object per line needs a .jsonl name") from exc
     if not isinstance(data, list):
         raise ValueError(f"{path}: a ShareGPT file is a JSON list of {{'conversations': [...]}} entries")
     prompts = []
     for i, entry in enumerate(data):
         turns = (entry.get("conversations") or []) if isinstance(entry, dict) else []
-        first = next((t.get("value", "") for t in turns if t.get("from") == "human"), "")
-        if first.strip():
+        first = next((t.get("value", "") for t in turns if isinstance(t, dict) and t.get("from") == "human"), "")
+        if isinstance(first, str) and first.strip():
             prompts.append(BenchPrompt(id=str(entry.get("id", i)), category=SHAREGPT, messages=(first,)))
     if not prompts:
         raise ValueError(f"{path}: no conversation with a non-empty human turn")
     return prompts
 
 
+def load_jsonl(path: str | Path) -> list[BenchPrompt]:
+    """vLLM's custom dataset: one {"prompt": str} object per line (blank lines skipped)."""
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not a JSON object ({exc})") from exc
+            prompt = row.get("prompt") if isinstance(row, dict) else None
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise ValueError(f"{path}:{n}: each line needs a non-empty string 'prompt'")
+            category = row.get("category")
+            prompts.append(BenchPrompt(id=str(row.get("id", n)), category=str(category) if category else CUSTOM,
+                                       messages=(prompt,)))
+    if not prompts:
+        raise ValueError(f"{path}: no prompt in the file")
+    return prompts
+
+
 def load_dataset(dataset: str) -> list[BenchPrompt]:
-    """`specbench` (the shipped set) or a path to a ShareGPT JSON file."""
+    """`specbench` (the shipped set), a `.jsonl` file of {"prompt"} lines, or a ShareGPT JSON file."""
     if dataset == SHIPPED:
         return load_shipped()
     if not Path(dataset).is_file():
-        raise ValueError(f"--dataset must be '{SHIPPED}' or a ShareGPT JSON file, got {dataset!r} (no such file)")
+        raise ValueError(f"--dataset must be '{SHIPPED}', a .jsonl file or a ShareGPT JSON file, got {dataset!r} "
+                         "(no such file)")
+    if dataset.endswith(".jsonl"):
+        return load_jsonl(dataset)
     return load_sharegpt(dataset)
 
 

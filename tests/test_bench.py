@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from bench.datasets import CATEGORIES, SHAREGPT, load_dataset, load_shipped
+from bench.datasets import CATEGORIES, CUSTOM, SHAREGPT, load_dataset, load_shipped
 from bench.serve import (
     LATENCY_METRICS,
     RequestRecord,
@@ -113,6 +113,24 @@ def test_sharegpt_file_loads_the_first_human_turn(tmp_path):
     prompts = load_dataset(str(path))
     assert [p.messages for p in prompts] == [("Hello there?",), ("Why?",)]
     assert {p.category for p in prompts} == {SHAREGPT}
+
+
+def test_a_jsonl_file_of_prompts_loads_as_vllms_custom_dataset_and_bad_files_are_named(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "Hello there?"}\n\n{"prompt": "Why?", "category": "qa", "output_tokens": 9}\n')
+    prompts = load_dataset(str(path))
+    assert [(p.messages, p.category) for p in prompts] == [(("Hello there?",), CUSTOM), (("Why?",), "qa")]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: .*'prompt'"):
+        load_dataset(str(bad))
+    lines = tmp_path / "lines.json"  # JSON lines under a .json name: say what is wrong, and where
+    lines.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    with pytest.raises(ValueError, match="lines.json: not a JSON file.*jsonl"):
+        load_dataset(str(lines))
+    odd = tmp_path / "odd.json"  # turns that are not objects are skipped, not a crash
+    odd.write_text(json.dumps([{"conversations": ["text"]}, {"conversations": [{"from": "human", "value": "Hi"}]}]))
+    assert [p.messages for p in load_dataset(str(odd))] == [("Hi",)]
 
 
 def test_metrics_follow_vllm_definitions():
