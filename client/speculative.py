@@ -10,10 +10,11 @@ drafts past the rejection point: those are dropped by the next call's truncation
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import grpc
 
@@ -262,12 +263,26 @@ class SpeculativeClient:
 
     # ---- public API ---------------------------------------------------------------
 
-    def encode_prompt(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
-        if not isinstance(prompt, str):
-            return [int(t) for t in prompt]
-        if chat:
-            return self.encode_chat([{"role": "user", "content": prompt}])
-        return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
+    def encode_prompt(self, prompt: str | Sequence[int] | Sequence[dict], chat: bool = False) -> list[int]:
+        """Token ids of a prompt: text (through the chat template as one user turn with `chat`),
+        token ids (checked against the verifier's vocabulary), or chat messages ({"role",
+        "content"} dicts, always through the chat template)."""
+        if isinstance(prompt, str):
+            if chat:
+                return self.encode_chat([{"role": "user", "content": prompt}])
+            return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
+        if isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
+            return self.encode_chat(prompt)
+        try:
+            ids = [operator.index(t) for t in prompt]
+        except TypeError:
+            raise TypeError("prompt must be a string, a sequence of token ids or a sequence of chat messages "
+                            f"({{'role', 'content'}} dicts), got {type(prompt).__name__}") from None
+        vocab = self.verifier_info.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the verifier's vocabulary [0, {vocab})")
+        return ids
 
     def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, **template_kwargs) -> list[int]:
@@ -298,7 +313,7 @@ class SpeculativeClient:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | Sequence[dict],
         params: SamplingParams = SamplingParams(),
         *,
         num_speculative_tokens: int | str | None = None,
@@ -315,7 +330,7 @@ class SpeculativeClient:
 
     def stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | Sequence[dict],
         params: SamplingParams = SamplingParams(),
         *,
         num_speculative_tokens: int | str | None = None,
@@ -333,6 +348,8 @@ class SpeculativeClient:
         token as fast as target-only decoding. The drafter prefills when drafts are first
         wanted, in the background while target-only rounds go on ("auto"; a fixed γ and a
         seeded request wait for it, so that their rounds, hence their output, reproduce)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         gamma_max = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
         adaptive = gamma_max == AUTO
         if adaptive:

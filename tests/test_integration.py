@@ -164,6 +164,22 @@ def test_client_refuses_mismatched_vocabularies_and_oversized_requests(client):
         client.generate("hello", SamplingParams(max_tokens=info.max_context))
 
 
+def test_the_python_client_takes_text_token_ids_or_chat_messages_and_names_what_it_refuses(client):
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    as_messages = client.generate(messages, greedy)
+    assert as_messages.token_ids == client.generate("Name a colour.", greedy, chat=True).token_ids
+    assert as_messages.prompt_token_ids == client.encode_chat(messages)
+    ids = client.encode_prompt("The capital of France is")
+    assert client.generate(tuple(ids), greedy).token_ids == client.generate("The capital of France is", greedy).token_ids
+    with pytest.raises(ValueError, match=f"token id {client.verifier_info.vocab_size} is outside"):
+        client.generate([1, client.verifier_info.vocab_size], greedy)  # refused before any session opens
+    with pytest.raises(TypeError, match="params must be a SamplingParams, got dict"):
+        client.generate("hello", {"max_tokens": 3})
+    with pytest.raises(TypeError, match="prompt must be a string"):
+        client.generate(None, greedy)
+
+
 def test_first_token_over_grpc_follows_target_distribution(int8_client, target_lm, int8_lm):
     """H0: the first token ~ p (temperature 1). 300 end-to-end generations with the int8
     drafter (gamma = 1), seeds 0..299, chi-square over cells with expected count >= 5."""
