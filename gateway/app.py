@@ -147,10 +147,8 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
             prompt_ids = await upstream.encode(messages=body.template_messages(),
                                                template_options=body.template_options())
         else:
-            prompt = body.single_prompt()
-            if not isinstance(prompt, str) and not all(0 <= t < client.verifier_info.vocab_size for t in prompt):
-                raise bad_request("prompt", f"token ids must be in [0, {client.verifier_info.vocab_size})")
-            prompt_ids = await upstream.encode(prompt=prompt)
+            # token ids are checked against the verifier's vocabulary there (SpeculativeClient.encode_prompt)
+            prompt_ids = await upstream.encode(prompt=body.single_prompt())
         params = sampling_params(body, len(prompt_ids), client.verifier_info.max_context)
         builder = ResponseBuilder(chat=chat, model=model, prompt_tokens=len(prompt_ids),
                                   decode=upstream.decode_token, logprobs=params.logprobs is not None,

@@ -253,7 +253,7 @@ class Upstream:
 
         try:
             return await anyio.to_thread.run_sync(encode)
-        except Exception as exc:  # e.g. a chat template that refuses the roles' order
+        except Exception as exc:  # a chat template that refuses the roles' order, ids outside the vocabulary
             param = "messages" if messages is not None else "prompt"
             raise APIError(400, f"{param} could not be tokenized: {exc}", param=param) from exc
 

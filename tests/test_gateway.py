@@ -187,6 +187,10 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
     if case == "malformed JSON":
         return httpx.post(f"{base_url}/v1/chat/completions", content=b'{"model": "x", "messages": [',
                           headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    if case == "prompt token id past the vocabulary":
+        with pytest.raises(openai.APIStatusError) as info:
+            oai.completions.create(model=model, prompt=[1, 10**7], max_tokens=2)
+        return info.value
     if case == "missing key":
         return httpx.post(f"{base_url}/v1/chat/completions", json={"model": model, "messages": messages})
     client = oai if case != "wrong key" else openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0)
@@ -212,6 +216,7 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
     ("malformed JSON", 400, None, "invalid_json"),
     ("wrong key", 401, None, "invalid_api_key"),
     ("missing key", 401, None, "invalid_api_key"),
+    ("prompt token id past the vocabulary", 400, "prompt", None),
     ("continue_final_message with a generation prompt", 400, "continue_final_message", None),
     ("continue_final_message after a user message", 400, "continue_final_message", None),
     ("chat_template_kwargs naming a call argument", 400, "chat_template_kwargs", None),
