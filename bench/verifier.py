@@ -174,14 +174,15 @@ def run_level(address: str, concurrency: int, gamma: int, prompt_len: int, secon
     loads = [load for _, load in samples]
     total_rounds = sum(rounds)
     # Per engine step, as the replies saw it (a round-weighted mean over the steps that served them).
+    steps_ms = np.asarray([x.step_ms for x in loads])  # one per round: the step that served it
     device_ms = float(np.mean([x.device_ms for x in loads])) if loads else 0.0
-    step_ms = float(np.mean([x.step_ms for x in loads])) if loads else 0.0
+    step_ms = float(steps_ms.mean()) if loads else 0.0
     step_rows = float(np.mean([x.step_rows for x in loads])) if loads else 0.0
     rounds_per_s = total_rounds / elapsed
     p50_ms = float(np.percentile(lat_ms, 50)) if len(lat_ms) else None
     # Each round against the step that served it (which ran wholly inside the call, so this is
     # >= 0 round by round); a p50 round against the mean step is not, when step times spread.
-    over_ms = lat_ms - np.asarray([x.step_ms for x in loads]) if loads else None
+    over_ms = lat_ms - steps_ms if loads else None
     engine_rows_per_s = step_rows * 1000 / device_ms if device_ms else None
     return {
         "concurrency": concurrency,
