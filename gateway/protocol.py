@@ -4,9 +4,9 @@ stream-chunk bodies built from the client's StreamChunk / GenerationResult.
 Request fields map onto SamplingParams by the same names (vLLM's), so `SamplingParams`
 stays the one place that validates them: its InvalidArgument names the field, which
 becomes the error's `param`. Chat requests also take vLLM's chat-template extras
-(add_generation_prompt, continue_final_message, chat_template_kwargs). What OpenAI defines and this server does not do (n > 1,
-best_of, echo, suffix, logit_bias, tools, structured output) is refused with 400 naming
-the field, never silently ignored.
+(add_generation_prompt, continue_final_message, chat_template_kwargs). What OpenAI
+defines and this server does not do (n > 1, best_of, echo, suffix, logit_bias, tools,
+structured output) is refused with 400 naming the field, never silently ignored.
 """
 
 from __future__ import annotations
