@@ -148,8 +148,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     v.add_argument("--max-batch-size", type=_positive("--max-batch-size"), default=32)
     v.add_argument("--max-wait-ms", type=float, default=10.0)
     v.add_argument("--service-threads", type=_positive("--service-threads"), default=2)
-    v.add_argument("--batched", action="store_true",
-                   help="one client thread sends every session's round of a step in one VerifyBatch call")
+    v.add_argument("--front", choices=("unary", "batched", "stream"), default="unary",
+                   help="unary: one thread and one Verify call per session and round; batched: one client "
+                        "thread sends every session's round of a step in one VerifyBatch call; stream: the same "
+                        "steps as messages of one VerifyStream")
+    v.add_argument("--batched", dest="front", action="store_const", const="batched", help="= --front batched")
     v.add_argument("--empty-calls", type=int, default=500,
                    help="unary health checks timed first: what a gRPC call alone costs on this host (0 = skip)")
     v.add_argument("--json", default=None)

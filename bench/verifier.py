@@ -7,8 +7,9 @@ token, so the numbers isolate the verifier: scored tokens/s = rounds × (γ+1) /
 sizes come from the server's own counters (requests / batches). Concurrency 1 is measured
 in the same run and every row reports its throughput relative to it.
 
-`--batched`: one client thread carries all C sessions and sends each step's rounds in one
-VerifyBatch call (the batched front), instead of C threads with a unary Verify each.
+`--front batched`: one client thread carries all C sessions and sends each step's rounds in
+one VerifyBatch call (the batched front), instead of C threads with a unary Verify each;
+`--front stream`: the same steps as messages of one VerifyStream (no call set-up per step).
 
 Against the engine: every reply carries the step's device time and rows (EngineLoad), so
 each level also reports what the engine's own step allows, engine rows/s = rows per step ×
@@ -24,6 +25,7 @@ service's own share of a round is read against what gRPC alone takes.
 from __future__ import annotations
 
 import json
+import queue
 import random
 import threading
 import time
@@ -73,9 +75,20 @@ def _worker(stub, gamma: int, prompt_len: int, vocab: int, max_context: int, sec
 
 def _batched_worker(stub, concurrency: int, gamma: int, prompt_len: int, vocab: int, max_context: int,
                     seconds: float, samples: list[tuple], rounds: list[int],
-                    start: threading.Barrier) -> None:
-    """All sessions in one thread: every step is one VerifyBatch of every session's round."""
+                    start: threading.Barrier, stream: bool) -> None:
+    """All sessions in one thread: every step is one VerifyBatch of every session's round
+    (a call, or a message of one VerifyStream)."""
     rng = random.Random(1000)
+    if stream:
+        outbox: queue.SimpleQueue = queue.SimpleQueue()
+        replies = stub.VerifyStream(iter(outbox.get, None))
+
+        def step(batch: pb.VerifyBatchRequest) -> pb.VerifyBatchResponse:
+            outbox.put(batch)
+            return next(replies)  # one message in flight: replies come in order
+    else:
+        def step(batch: pb.VerifyBatchRequest) -> pb.VerifyBatchResponse:
+            return stub.VerifyBatch(batch, timeout=120)
     greedy = pb.SamplingParams(temperature=0.0)
     sids: list[str] = []
     try:
@@ -96,7 +109,7 @@ def _batched_worker(stub, concurrency: int, gamma: int, prompt_len: int, vocab: 
                     session_id=sid, truncate_to=kv[i], append_token_ids=[last[i]],
                     draft_token_ids=[rng.randrange(100, vocab) for _ in range(gamma)], sampling=greedy))
             t0 = time.perf_counter()
-            reply = stub.VerifyBatch(batch, timeout=120)
+            reply = step(batch)
             elapsed = time.perf_counter() - t0
             for i, res in enumerate(reply.results):
                 if res.code != 0:
@@ -108,6 +121,9 @@ def _batched_worker(stub, concurrency: int, gamma: int, prompt_len: int, vocab: 
         start.abort()
         raise
     finally:
+        if stream:
+            outbox.put(None)
+            replies.cancel()
         for sid in sids:
             try:
                 stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
@@ -133,7 +149,7 @@ def empty_call_ms(address: str, calls: int) -> float | None:
 
 
 def run_level(address: str, concurrency: int, gamma: int, prompt_len: int, seconds: float,
-              batched: bool = False) -> dict:
+              front: str = "unary") -> dict:
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         stub = pb_grpc.VerifierStub(channel)
         info = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=60)
@@ -141,13 +157,14 @@ def run_level(address: str, concurrency: int, gamma: int, prompt_len: int, secon
         samples: list[tuple] = []  # (seconds, EngineLoad of the step that served it), one per round
         rounds = [0] * concurrency
         errors: list[BaseException] = []
+        batched = front != "unary"
         start = threading.Barrier((1 if batched else concurrency) + 1)
 
         def run(i: int) -> None:
             try:
                 if batched:
                     _batched_worker(stub, concurrency, gamma, prompt_len, info.vocab_size, info.max_context, seconds,
-                                    samples, rounds, start)
+                                    samples, rounds, start, stream=front == "stream")
                 else:
                     _worker(stub, gamma, prompt_len, info.vocab_size, info.max_context, seconds, 1000 + i, samples,
                             rounds, i, start)
@@ -187,7 +204,7 @@ def run_level(address: str, concurrency: int, gamma: int, prompt_len: int, secon
     return {
         "concurrency": concurrency,
         "gamma": gamma,
-        "front": "batched" if batched else "unary",
+        "front": front,
         "rounds": total_rounds,
         "duration_s": round(elapsed, 3),
         "rounds_per_s": round(rounds_per_s, 2),
@@ -229,7 +246,7 @@ def run(args) -> int:
         rows = []
         for c in levels:
             rows.append(run_level(address, c, args.num_speculative_tokens, args.prompt_len, args.seconds,
-                                  batched=args.batched))
+                                  front=args.front))
             base = rows[0]["scored_tokens_per_s"]
             r = rows[-1]
             r["speedup_vs_first"] = round(r["scored_tokens_per_s"] / base, 2) if base else None

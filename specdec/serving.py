@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -324,10 +325,17 @@ class ServingModel:
     def submit_many(self, payloads: list) -> list[object]:
         """`submit` for several requests at once: every one is queued before any is waited
         for, so they share a step. Returns per request its result or the exception it raised."""
-        now = time.monotonic()
-        self.running.touch([p.session.session_id for p in payloads if getattr(p, "session", None)], now)
+        return self.collect(self.queue_many(payloads))
+
+    def queue_many(self, payloads: list) -> list[Future]:
+        """The first half of `submit_many`: queue, never wait (`collect` waits)."""
+        self.running.touch([p.session.session_id for p in payloads if getattr(p, "session", None)], time.monotonic())
+        return self.scheduler.submit_many(payloads)
+
+    def collect(self, futures: list[Future]) -> list[object]:
+        """Per future of `queue_many`, its result or the exception it raised (counted)."""
         out: list[object] = []
-        for future in self.scheduler.submit_many(payloads):
+        for future in futures:
             try:
                 out.append(future.result())
                 self.stats.add(requests=1)

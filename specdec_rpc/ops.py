@@ -149,14 +149,19 @@ class _CallDetails(
     """grpc.ClientCallDetails is an interface; the grpc examples fill it with a namedtuple."""
 
 
-class _BearerAuth(grpc.UnaryUnaryClientInterceptor):
+class _BearerAuth(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
     def __init__(self, token: str) -> None:
         self._metadata = ("authorization", f"Bearer {token}")
 
+    def _with_token(self, details: grpc.ClientCallDetails) -> _CallDetails:
+        return _CallDetails(details.method, details.timeout, [*(details.metadata or ()), self._metadata],
+                            details.credentials, details.wait_for_ready, details.compression)
+
     def intercept_unary_unary(self, continuation, details, request):
-        details = _CallDetails(details.method, details.timeout, [*(details.metadata or ()), self._metadata],
-                               details.credentials, details.wait_for_ready, details.compression)
-        return continuation(details, request)
+        return continuation(self._with_token(details), request)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):  # VerifyStream
+        return continuation(self._with_token(details), request_iterator)
 
 
 def open_channel(address: str, *, tls: TLSFiles = TLSFiles(), auth_token: str | None = None,
@@ -253,6 +258,7 @@ class ObservingInterceptor(grpc.ServerInterceptor):
         # (labels() takes a lock and builds a key on every call; profiled at ~20% of a Verify).
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
         self._handled: dict[tuple[str, str, grpc.StatusCode], Counter] = {}
+        self._streams: set = set()  # the ServicerContexts of open request streams
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -262,12 +268,12 @@ class ObservingInterceptor(grpc.ServerInterceptor):
         if self.draining:
             return _rejecting(handler, grpc.StatusCode.UNAVAILABLE,
                               "the server is shutting down; retry on another replica or after it restarts")
-        if not handler.unary_unary:
-            return handler  # reflection streams: not counted
+        if not (handler.unary_unary or handler.stream_stream):
+            return handler
         cached = self._wrapped.get(method)
         if cached is not None and cached[0] is handler:
             return cached[1]
-        wrapped = self._wrap(method, handler)
+        wrapped = self._wrap(method, handler) if handler.unary_unary else self._wrap_stream(method, handler)
         self._wrapped[method] = (handler, wrapped)
         return wrapped
 
@@ -305,6 +311,64 @@ class ObservingInterceptor(grpc.ServerInterceptor):
 
         return grpc.unary_unary_rpc_method_handler(behavior, request_deserializer=handler.request_deserializer,
                                                    response_serializer=handler.response_serializer)
+
+    def _wrap_stream(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """A request stream (VerifyStream): each message counts in flight from its arrival to
+        its reply; while draining no new message is read (the stream ends once the replies in
+        flight are out, and the client re-sends what was left unanswered elsewhere); the stream
+        itself is counted once, with its status, when it ends."""
+        service, _, name = method.lstrip("/").rpartition("/")
+        inner = handler.stream_stream
+
+        def behavior(request_iterator, context):
+            owed = 0  # messages read and not yet answered
+
+            def messages():
+                nonlocal owed
+                for message in request_iterator:
+                    if self.draining:
+                        return
+                    with self._idle:  # owed changes on the reader's thread and on this one
+                        self._inflight += 1
+                        owed += 1
+                    yield message
+
+            def settle(n: int | None = None) -> None:  # n replies sent (None: the stream ended)
+                nonlocal owed
+                with self._idle:
+                    n = owed if n is None else n
+                    owed -= n
+                    self._inflight -= n
+                    if self.draining:
+                        self._idle.notify_all()
+
+            with self._idle:
+                self._streams.add(context)
+            t0 = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                for reply in inner(messages(), context):
+                    settle(1)
+                    yield reply
+            except BaseException:
+                code = context.code() or grpc.StatusCode.CANCELLED
+                raise
+            finally:
+                settle()
+                with self._idle:
+                    self._streams.discard(context)
+                self._observe(service, name, code, time.perf_counter() - t0, None, None, context)
+
+        return grpc.stream_stream_rpc_method_handler(behavior, request_deserializer=handler.request_deserializer,
+                                                     response_serializer=handler.response_serializer)
+
+    def cancel_streams(self) -> None:
+        """Cancel the open request streams (drain, once nothing is in flight): an idle stream
+        would otherwise hold the server's stop for its whole grace period."""
+        with self._idle:
+            streams = list(self._streams)
+        for context in streams:
+            context.cancel()
 
     def _observe(self, service: str, name: str, code: grpc.StatusCode, elapsed: float, request, reply, context) -> None:
         """The status count and, when its level is on, the call's log line."""
@@ -460,6 +524,7 @@ class ServerOps:
         self.observer.draining = True
         self.health.enter_graceful_shutdown()
         idle = self.observer.wait_idle(grace_s)
+        self.observer.cancel_streams()
         log.info("drain role=%s idle=%s", self.engine.role, idle)
         return idle
 

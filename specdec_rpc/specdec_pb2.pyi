@@ -245,10 +245,12 @@ class VerifyResponse(_message.Message):
     def __init__(self, output_token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., kv_length: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., load: _Optional[_Union[EngineLoad, _Mapping]] = ...) -> None: ...
 
 class VerifyBatchRequest(_message.Message):
-    __slots__ = ("requests",)
+    __slots__ = ("requests", "tag")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
     requests: _containers.RepeatedCompositeFieldContainer[VerifyRequest]
-    def __init__(self, requests: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ...) -> None: ...
+    tag: int
+    def __init__(self, requests: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ..., tag: _Optional[int] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
     __slots__ = ("code", "message", "response")
@@ -261,10 +263,12 @@ class VerifyResult(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., response: _Optional[_Union[VerifyResponse, _Mapping]] = ...) -> None: ...
 
 class VerifyBatchResponse(_message.Message):
-    __slots__ = ("results",)
+    __slots__ = ("results", "tag")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[VerifyResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ...) -> None: ...
+    tag: int
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ..., tag: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

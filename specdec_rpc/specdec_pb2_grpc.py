@@ -303,6 +303,11 @@ class VerifierStub:
                 request_serializer=specdec_dot_v1_dot_specdec__pb2.VerifyBatchRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_specdec__pb2.VerifyBatchResponse.FromString,
                 _registered_method=True)
+        self.VerifyStream = channel.stream_stream(
+                '/specdec.v1.Verifier/VerifyStream',
+                request_serializer=specdec_dot_v1_dot_specdec__pb2.VerifyBatchRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_specdec__pb2.VerifyBatchResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/specdec.v1.Verifier/GetStats',
                 request_serializer=specdec_dot_v1_dot_specdec__pb2.StatsRequest.SerializeToString,
@@ -343,6 +348,15 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyStream(self, request_iterator, context):
+        """The batched front on one long-lived stream per client connection: each message is one
+        client step (a VerifyBatch without a call's setup); a message is queued on the engine as
+        it arrives, and answered as soon as its step is done.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -374,6 +388,11 @@ def add_VerifierServicer_to_server(servicer, server):
             ),
             'VerifyBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.VerifyBatch,
+                    request_deserializer=specdec_dot_v1_dot_specdec__pb2.VerifyBatchRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_specdec__pb2.VerifyBatchResponse.SerializeToString,
+            ),
+            'VerifyStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyStream,
                     request_deserializer=specdec_dot_v1_dot_specdec__pb2.VerifyBatchRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_specdec__pb2.VerifyBatchResponse.SerializeToString,
             ),
@@ -516,6 +535,33 @@ class Verifier:
             request,
             target,
             '/specdec.v1.Verifier/VerifyBatch',
+            specdec_dot_v1_dot_specdec__pb2.VerifyBatchRequest.SerializeToString,
+            specdec_dot_v1_dot_specdec__pb2.VerifyBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.Verifier/VerifyStream',
             specdec_dot_v1_dot_specdec__pb2.VerifyBatchRequest.SerializeToString,
             specdec_dot_v1_dot_specdec__pb2.VerifyBatchResponse.FromString,
             options,

@@ -246,12 +246,12 @@ def test_sweep_writes_a_png_and_both_modes_per_point(drafter_proc, verifier_proc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("front", ["unary", "batched"])
+@pytest.mark.parametrize("front", ["unary", "batched", "stream"])
 def test_verifier_bench_reports_the_engine_step_and_the_cost_of_an_empty_call(verifier_proc, tmp_path, front):
     out = tmp_path / "verifier.json"
     rc = main(["bench", "verifier", "--verifier", verifier_proc.address, "--concurrency", "1,3",
                "--num-speculative-tokens", "2", "--seconds", "1", "--prompt-len", "8", "--empty-calls", "20",
-               "--json", str(out), *(["--batched"] if front == "batched" else [])])
+               "--json", str(out), "--front", front])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["empty_call_p50_ms"] > 0

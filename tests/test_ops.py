@@ -3,6 +3,7 @@ and the SIGTERM drain."""
 
 from __future__ import annotations
 
+import queue
 import signal
 import socket
 import subprocess
@@ -122,6 +123,13 @@ def test_sigterm_drains_finishes_the_call_in_flight_refuses_new_ones_and_exits_i
             stub = pb_grpc.VerifierStub(ch)
             health = health_pb2_grpc.HealthStub(ch)
             sid = stub.OpenSession(pb.OpenSessionRequest(), timeout=30).session_id
+            # An idle VerifyStream (a gateway's, between steps) must not hold the exit for the grace.
+            outbox: queue.SimpleQueue = queue.SimpleQueue()
+            replies = stub.VerifyStream(iter(outbox.get, None))
+            streamed = stub.OpenSession(pb.OpenSessionRequest(), timeout=30).session_id
+            outbox.put(pb.VerifyBatchRequest(tag=1, requests=[pb.VerifyRequest(
+                session_id=streamed, append_token_ids=[1, 2, 3], sampling=pb.SamplingParams(temperature=0))]))
+            assert next(replies).results[0].response.kv_length == 3
             prompt = [(i * 7919) % 40000 + 100 for i in range(1800)]  # a long prefill: seconds on this CPU
             long_call = stub.Verify.future(
                 pb.VerifyRequest(session_id=sid, append_token_ids=prompt, sampling=pb.SamplingParams(temperature=0)),
@@ -147,8 +155,12 @@ def test_sigterm_drains_finishes_the_call_in_flight_refuses_new_ones_and_exits_i
             # that instant is CANCELLED by the server core instead of reaching our UNAVAILABLE
             # interceptor (seen once in CI); either way nothing new is served.
             assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-        code = svc.proc.wait(timeout=grace_s + 5)
-        elapsed = time.monotonic() - t0
+            code = svc.proc.wait(timeout=grace_s + 5)
+            elapsed = time.monotonic() - t0
+            with pytest.raises(grpc.RpcError) as err:  # the idle stream was ended by the drain
+                next(replies)
+            assert err.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+            outbox.put(None)
         assert code == 0 and elapsed < grace_s, (code, elapsed)
         assert any("drain role=verifier idle=True" in line for line in svc.output), svc.output[-10:]
     finally:

@@ -1,10 +1,12 @@
-"""VerifyBatch, the batched front: many sessions' rounds in one call, against a real verifier
-process. Each entry must behave exactly as the same round sent as a unary Verify, and fail
-alone."""
+"""The batched front: many sessions' rounds in one VerifyBatch call, or in one message of a
+VerifyStream, against a real verifier process. Each entry must behave exactly as the same round
+sent as a unary Verify, and fail alone."""
 
 from __future__ import annotations
 
+import queue
 import threading
+import time
 
 import grpc
 import pytest
@@ -31,19 +33,48 @@ def _drafts(round_index: int, i: int) -> list[int]:
     return [(97 * (round_index + 1) + 13 * i + j) % 4000 + 100 for j in range(2)]
 
 
-def _run(stub, sampling: pb.SamplingParams, batched: bool) -> list[list[int]]:
-    """ROUNDS rounds of every prompt (its own session), unary or all in one VerifyBatch a round."""
+class _Steps:
+    """One client's steps through the batched front: a VerifyBatch call each ("batched"), or a
+    message each on one VerifyStream ("stream"), whose reply must carry the step's tag."""
+
+    def __init__(self, stub, front: str) -> None:
+        self.stub, self.front, self.tag = stub, front, 0
+        if front == "stream":
+            self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+            self.replies = stub.VerifyStream(iter(self.outbox.get, None))
+
+    def send(self, requests: list[pb.VerifyRequest]) -> None:
+        self.tag += 1
+        self.outbox.put(pb.VerifyBatchRequest(requests=requests, tag=self.tag))
+
+    def __call__(self, requests: list[pb.VerifyRequest]) -> pb.VerifyBatchResponse:
+        if self.front == "batched":
+            return self.stub.VerifyBatch(pb.VerifyBatchRequest(requests=requests), timeout=60)
+        self.send(requests)
+        reply = next(self.replies)
+        assert reply.tag == self.tag
+        return reply
+
+    def close(self) -> None:
+        if self.front == "stream":
+            self.outbox.put(None)  # half-close: the server ends the stream
+            assert list(self.replies) == []  # nothing left unanswered
+
+
+def _run(stub, sampling: pb.SamplingParams, front: str) -> list[list[int]]:
+    """ROUNDS rounds of every prompt (its own session): unary calls, or all in one step a round."""
     sids = [stub.OpenSession(pb.OpenSessionRequest(), timeout=30).session_id for _ in PROMPTS]
     committed = [list(p) for p in PROMPTS]
     kv = [0] * len(PROMPTS)
+    steps = _Steps(stub, front) if front != "unary" else None
     try:
         for rnd in range(ROUNDS):
             reqs = [pb.VerifyRequest(session_id=sid, truncate_to=kv[i], append_token_ids=committed[i][kv[i]:],
                                      draft_token_ids=_drafts(rnd, i), sampling=sampling,
                                      proposal=pb.Proposal(kind=pb.IDS_ONLY, shape=[2]))
                     for i, sid in enumerate(sids)]
-            if batched:
-                reply = stub.VerifyBatch(pb.VerifyBatchRequest(requests=reqs), timeout=60)
+            if steps is not None:
+                reply = steps(reqs)
                 assert [r.code for r in reply.results] == [0] * len(reqs), [r.message for r in reply.results]
                 outs = [r.response for r in reply.results]
             else:
@@ -52,6 +83,8 @@ def _run(stub, sampling: pb.SamplingParams, batched: bool) -> list[list[int]]:
                 committed[i] += list(out.output_token_ids)
                 kv[i] = out.kv_length
                 assert kv[i] == len(committed[i]) - 1
+        if steps is not None:
+            steps.close()
     finally:
         for sid in sids:
             stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
@@ -62,9 +95,9 @@ def _run(stub, sampling: pb.SamplingParams, batched: bool) -> list[list[int]]:
                                       pb.SamplingParams(temperature=0.8, top_p=0.9, seed=7)],
                          ids=["greedy", "seeded"])
 def test_batched_rounds_are_token_identical_to_unary_rounds(stub, sampling):
-    unary = _run(stub, sampling, batched=False)
-    batched = _run(stub, sampling, batched=True)
-    assert batched == unary
+    unary = _run(stub, sampling, "unary")
+    assert _run(stub, sampling, "batched") == unary
+    assert _run(stub, sampling, "stream") == unary
     assert all(len(out) >= ROUNDS for out in unary)  # every round emitted at least one token
 
 
@@ -85,24 +118,26 @@ def test_batched_greedy_rounds_follow_target_only_decoding(stub):
     finally:
         for sid in sids:
             stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
-    batched = _run(stub, greedy, batched=True)
-    for ref, got in zip(reference, batched):
-        n = min(len(ref), len(got))
-        assert got[:n] == ref[:n]
+    for front in ("batched", "stream"):
+        for ref, got in zip(reference, _run(stub, greedy, front)):
+            n = min(len(ref), len(got))
+            assert got[:n] == ref[:n]
 
 
-def test_a_bad_entry_fails_alone_and_leaves_its_session_consistent(stub, verifier_proc):
+@pytest.mark.parametrize("front", ["batched", "stream"])
+def test_a_bad_entry_fails_alone_and_leaves_its_session_consistent(stub, verifier_proc, front):
     greedy = pb.SamplingParams(temperature=0.0)
     info = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10)
     good, bad = (stub.OpenSession(pb.OpenSessionRequest(), timeout=30).session_id for _ in range(2))
+    step = _Steps(stub, front)
     try:
-        first = stub.VerifyBatch(pb.VerifyBatchRequest(requests=[
+        first = step([
             pb.VerifyRequest(session_id=good, append_token_ids=PROMPTS[0], sampling=greedy),
-            pb.VerifyRequest(session_id=bad, append_token_ids=PROMPTS[1], sampling=greedy)]), timeout=60)
+            pb.VerifyRequest(session_id=bad, append_token_ids=PROMPTS[1], sampling=greedy)])
         assert [r.code for r in first.results] == [0, 0]
         bad_kv = first.results[1].response.kv_length
         last = list(first.results[1].response.output_token_ids)
-        reply = stub.VerifyBatch(pb.VerifyBatchRequest(requests=[
+        reply = step([
             pb.VerifyRequest(session_id=good, truncate_to=first.results[0].response.kv_length,
                              append_token_ids=list(first.results[0].response.output_token_ids), sampling=greedy),
             # an id outside the vocabulary: INVALID_ARGUMENT, before its session is touched
@@ -113,8 +148,7 @@ def test_a_bad_entry_fails_alone_and_leaves_its_session_consistent(stub, verifie
             pb.VerifyRequest(session_id=bad, truncate_to=bad_kv + 50, append_token_ids=last, sampling=greedy),
             # a malformed proposal kind: INVALID_ARGUMENT while converting the entry
             pb.VerifyRequest(session_id=bad, truncate_to=bad_kv, append_token_ids=last, draft_token_ids=[5],
-                             proposal=pb.Proposal(kind=77), sampling=pb.SamplingParams(temperature=1.0))]),
-            timeout=60)
+                             proposal=pb.Proposal(kind=77), sampling=pb.SamplingParams(temperature=1.0))])
         codes = [grpc.StatusCode.OK.value[0], grpc.StatusCode.INVALID_ARGUMENT.value[0],
                  grpc.StatusCode.NOT_FOUND.value[0], grpc.StatusCode.OUT_OF_RANGE.value[0],
                  grpc.StatusCode.INVALID_ARGUMENT.value[0]]
@@ -125,38 +159,62 @@ def test_a_bad_entry_fails_alone_and_leaves_its_session_consistent(stub, verifie
         again = stub.Verify(pb.VerifyRequest(session_id=bad, truncate_to=bad_kv, append_token_ids=last,
                                              sampling=greedy), timeout=60)
         assert again.kv_length == bad_kv + len(last)
+        step.close()  # a stream goes on after failed entries
     finally:
         for sid in (good, bad):
             stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
 
 
-def test_a_disconnected_batch_client_loses_only_its_own_sessions(stub, verifier_proc):
-    """Client A's batch (long prompts) is cancelled by its deadline mid-call while client B runs
-    batched rounds on the same server: B's output is exactly what it is alone."""
+@pytest.mark.parametrize("client_a", ["batch-cancelled", "stream-disconnected", "stream-slow"])
+def test_a_slow_or_disconnected_batch_client_loses_only_its_own_sessions(stub, verifier_proc, client_a):
+    """Client A sends one step of long prompts, then (batch-cancelled) its VerifyBatch call
+    passes its deadline mid-call, (stream-disconnected) it closes its channel with the step in
+    flight, or (stream-slow) it reads no reply until the others are done. Meanwhile client B runs
+    streamed rounds on the same server: B's output is exactly what it is alone. A's sessions are
+    released all the same: a slow A gets its reply late, a gone A's sessions take calls again."""
     greedy = pb.SamplingParams(temperature=0.0)
-    alone = _run(stub, greedy, batched=True)
-    errors: list[BaseException] = []
-
-    def client_a() -> None:
-        with grpc.insecure_channel(verifier_proc.address, options=CHANNEL_OPTIONS) as channel:
-            a = pb_grpc.VerifierStub(channel)
-            sids = [a.OpenSession(pb.OpenSessionRequest(), timeout=30).session_id for _ in range(4)]
-            long_prompt = [(7 * j) % 4000 + 100 for j in range(700)]
-            try:
-                a.VerifyBatch(pb.VerifyBatchRequest(requests=[
-                    pb.VerifyRequest(session_id=sid, append_token_ids=long_prompt, sampling=greedy) for sid in sids]),
-                    timeout=0.05)
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                    errors.append(exc)
-            # A's channel closes here with its sessions open: the server's TTL reaps them.
-
-    t = threading.Thread(target=client_a)
-    t.start()
-    beside = _run(stub, greedy, batched=True)
-    t.join(60)
-    assert not errors
-    assert beside == alone
+    alone = _run(stub, greedy, "stream")
+    long_prompt = [(7 * j) % 4000 + 100 for j in range(700)]
+    a_channel = grpc.insecure_channel(verifier_proc.address, options=CHANNEL_OPTIONS)
+    a = pb_grpc.VerifierStub(a_channel)
+    sids = [a.OpenSession(pb.OpenSessionRequest(), timeout=30).session_id for _ in range(4)]
+    step = [pb.VerifyRequest(session_id=sid, append_token_ids=long_prompt, sampling=greedy) for sid in sids]
+    try:
+        if client_a == "batch-cancelled":
+            with pytest.raises(grpc.RpcError) as err:
+                a.VerifyBatch(pb.VerifyBatchRequest(requests=step), timeout=0.05)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        else:
+            a_steps = _Steps(a, "stream")
+            a_steps.send(step)
+            if client_a == "stream-disconnected":
+                time.sleep(0.2)  # let the step reach the engine
+                a_channel.close()
+        beside = _run(stub, greedy, "stream")
+        assert beside == alone
+        if client_a == "stream-slow":
+            reply = next(a_steps.replies)  # answered all along, read only now
+            assert [r.code for r in reply.results] == [0] * 4
+            assert all(r.response.kv_length == len(long_prompt) for r in reply.results)
+            a_steps.close()
+        # However A went, its sessions are let go once its step is done (a gone A's may still
+        # be prefilling: FAILED_PRECONDITION, busy, until then): each takes a fresh prefill.
+        give_up = time.monotonic() + 60
+        for sid in sids:
+            while True:
+                try:
+                    out = stub.Verify(pb.VerifyRequest(session_id=sid, truncate_to=0, append_token_ids=PROMPTS[0],
+                                                       sampling=greedy), timeout=60)
+                    break
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or time.monotonic() > give_up:
+                        raise
+                    time.sleep(0.1)
+            assert out.kv_length == len(PROMPTS[0])
+    finally:
+        for sid in sids:
+            stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+        a_channel.close()
 
 
 @pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=11)],
@@ -185,6 +243,7 @@ def test_a_batching_client_generates_what_a_unary_client_does(verifier_proc, dra
             for t in threads:
                 t.join(120)
             assert bool(c._batchers) == batch  # the batched run did go through a VerifyBatcher
+            assert all(b._front == "stream" for b in (c._batchers or {}).values())  # on a VerifyStream
             return outs
 
     unary, batched = run(False), run(True)
@@ -226,10 +285,12 @@ def test_one_step_mixes_dense_proposals_ids_only_drafts_and_plain_decodes(stub):
             stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
 
 
-def test_the_batcher_falls_back_to_unary_calls_on_a_verifier_without_verify_batch(verifier_proc):
-    """An older verifier answers VerifyBatch with UNIMPLEMENTED: the batcher then sends unary
-    Verify calls, and the rounds give what direct unary calls give. The old server here is a
-    real gRPC server that implements Verify only, relaying to the real verifier."""
+@pytest.mark.parametrize("knows", ["Verify", "VerifyBatch"])
+def test_the_batcher_falls_back_on_an_older_verifier(verifier_proc, knows):
+    """An older verifier answers VerifyStream (and VerifyBatch) with UNIMPLEMENTED: the batcher
+    then sends VerifyBatch calls (or unary Verify calls), and the rounds give what direct unary
+    calls give. The old server here is a real gRPC server that implements Verify (and
+    VerifyBatch) only, relaying to the real verifier."""
     from concurrent import futures
 
     from client.batching import VerifyBatcher
@@ -237,9 +298,13 @@ def test_the_batcher_falls_back_to_unary_calls_on_a_verifier_without_verify_batc
     upstream_channel = grpc.insecure_channel(verifier_proc.address, options=CHANNEL_OPTIONS)
     upstream = pb_grpc.VerifierStub(upstream_channel)
 
-    class OldVerifier(pb_grpc.VerifierServicer):  # VerifyBatch left unimplemented
+    class OldVerifier(pb_grpc.VerifierServicer):  # VerifyStream (and VerifyBatch) left unimplemented
         def Verify(self, request, context):
             return upstream.Verify(request, timeout=60)
+
+        if knows == "VerifyBatch":
+            def VerifyBatch(self, request, context):
+                return upstream.VerifyBatch(request, timeout=60)
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     pb_grpc.add_VerifierServicer_to_server(OldVerifier(), server)
@@ -264,7 +329,7 @@ def test_the_batcher_falls_back_to_unary_calls_on_a_verifier_without_verify_batc
 
     try:
         via_batcher = rounds(batcher.verify)
-        assert batcher._unary  # it found out, and went on unary
+        assert batcher._front == ("unary" if knows == "Verify" else "batch")  # it found out and went on
         direct = rounds(lambda req, timeout: upstream.Verify(req, timeout=timeout))
     finally:
         batcher.close()

@@ -56,6 +56,15 @@ class VerifyCall:
     owner: str | None = None  # the caller's credential hash: someone else's session is NOT_FOUND
 
 
+@dataclass
+class BatchInFlight:
+    """A VerifyBatch between `begin_batch` and `finish_batch`: per call its result, once known."""
+
+    results: list  # VerifyOut | Exception | None, one per call
+    held: list = field(default_factory=list)  # (index, the session's context manager, _Request), queued
+    futures: list = field(default_factory=list)  # one per `held`, from the scheduler
+
+
 STARVED_STEPS = 4  # steps a prompt may get no tokens before it goes ahead of shorter ones
 
 
@@ -139,25 +148,38 @@ class VerifierEngine(ServingModel):
         A call that fails (bad input, a busy or unknown session, a failed step) fails alone and
         its session is cropped back to its truncate_to, as a unary call's would be. An
         Exception in `calls` (a malformed message) is passed through as that call's result."""
-        results: list[VerifyOut | Exception | None] = [None] * len(calls)
-        held = []  # (index, the session's context manager, request)
+        return self.finish_batch(self.begin_batch(calls))
+
+    def begin_batch(self, calls: list[VerifyCall | Exception]) -> BatchInFlight:
+        """`verify_batch` without the wait: checks, holds the sessions and queues the rounds;
+        `finish_batch` (exactly once) waits, releases the sessions and gives the results."""
+        batch = BatchInFlight([None] * len(calls))
         try:
             for i, call in enumerate(calls):
                 if isinstance(call, Exception):
-                    results[i] = call
+                    batch.results[i] = call
                     continue
                 try:
                     q = self._check(call)
                     cm = self.sessions.use(call.session_id, call.truncate_to, call.owner)
                     session = cm.__enter__()
                 except Exception as exc:  # noqa: BLE001 - this call alone fails
-                    results[i] = exc
+                    batch.results[i] = exc
                     continue
-                held.append((i, cm, self._request(call, session, q)))
-            for (i, cm, _), out in zip(held, self.submit_many([r for _, _, r in held])):
+                batch.held.append((i, cm, self._request(call, session, q)))
+            batch.futures = self.queue_many([r for _, _, r in batch.held])
+        except BaseException:
+            self.finish_batch(batch)
+            raise
+        return batch
+
+    def finish_batch(self, batch: BatchInFlight) -> list[VerifyOut | Exception]:
+        results = batch.results
+        try:
+            for (i, _, _), out in zip(batch.held, self.collect(batch.futures)):
                 results[i] = out
         finally:
-            for i, cm, _ in held:  # release every session, cropping back the failed ones
+            for i, cm, _ in batch.held:  # release every session, cropping back the failed ones
                 exc = results[i] if isinstance(results[i], Exception) else None
                 cm.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
         return results  # type: ignore[return-value]
