@@ -75,9 +75,13 @@ def tls_token_verifier(certs):
     svc.stop()
 
 
-def test_tls_with_the_right_ca_and_token_generates(certs, tls_token_verifier):
-    with SpeculativeClient(tls_token_verifier.address, tls_ca=str(certs / "ca.pem"), auth_token=TOKEN_A) as client:
+@pytest.mark.parametrize("batch_verify", [False, True], ids=["unary", "stream"])
+def test_tls_with_the_right_ca_and_token_generates(certs, tls_token_verifier, batch_verify):
+    with SpeculativeClient(tls_token_verifier.address, tls_ca=str(certs / "ca.pem"), auth_token=TOKEN_A,
+                           batch_verify=batch_verify) as client:
         result = client.generate("The capital of France is", GREEDY, target_only=True)
+        # the decode rounds went on a VerifyStream, which carried the token too
+        assert [b._front for b in (client._batchers or {}).values()] == (["stream"] if batch_verify else [])
     assert len(result.token_ids) == GREEDY.max_tokens
 
 
@@ -115,6 +119,11 @@ def test_a_session_opened_with_token_a_is_not_found_with_token_b(certs, tls_toke
         assert err.value.details() == f"unknown session {sid!r}; open one with OpenSession"
         assert _code_of(lambda: b.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)) \
             == grpc.StatusCode.NOT_FOUND
+        # The same in a batch, and on B's VerifyStream: that entry is NOT_FOUND.
+        for reply in (b.VerifyBatch(pb.VerifyBatchRequest(requests=[verify]), timeout=30),
+                      next(b.VerifyStream(iter([pb.VerifyBatchRequest(requests=[verify], tag=5)]), timeout=30))):
+            assert [r.code for r in reply.results] == [grpc.StatusCode.NOT_FOUND.value[0]]
+            assert reply.results[0].message == f"unknown session {sid!r}; open one with OpenSession"
         assert a.Verify(verify, timeout=30).kv_length == 2  # still A's, untouched by B
         a.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
 
