@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from specdec.argtypes import AddressList, gamma_arg, positive  # noqa: F401  (re-exported)
+from specdec.argtypes import AddressList, gamma_arg, port, positive  # noqa: F401  (re-exported)
 from specdec.errors import SpecDecError
 
 DEFAULT_PORTS = {"drafter": 50051, "verifier": 50052, "gateway": 8000}
@@ -55,7 +55,7 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
         p.add_argument("--ngram-max", type=positive("--ngram-max", zero=True), default=4,
                        help="--backend ngram: longest suffix n-gram looked up (the longest match wins)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=positive("--port", zero=True), default=DEFAULT_PORTS[role], help="0 picks a free port")
+    p.add_argument("--port", type=port("--port"), default=DEFAULT_PORTS[role], help="0 picks a free port")
     p.add_argument("--threads", type=positive("--threads", zero=True), default=0,
                    help="torch intra-op threads (0 = all cores; the services alternate, so each may use all)")
     p.add_argument("--max-draft-tokens", type=positive("--max-draft-tokens", zero=True), default=16,
@@ -94,7 +94,7 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
 
 def _add_ops_args(p: argparse.ArgumentParser) -> None:
     """Security and operations flags of a service (see README, Deployment and operations)."""
-    p.add_argument("--metrics-port", type=positive("--metrics-port", zero=True), default=0,
+    p.add_argument("--metrics-port", type=port("--metrics-port"), default=0,
                    help="serve Prometheus /metrics on this port (0 = off)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
@@ -271,7 +271,7 @@ def _add_gateway_parser(sub) -> None:
     gw.add_argument("--verifier", action=AddressList,
                     help="HOST:PORT; repeat it or separate by commas for a pool (required, here or in the environment)")
     gw.add_argument("--host", default="127.0.0.1", help="HTTP address to bind (0.0.0.0 in a container)")
-    gw.add_argument("--port", type=positive("--port", zero=True), default=DEFAULT_PORTS["gateway"],
+    gw.add_argument("--port", type=port("--port"), default=DEFAULT_PORTS["gateway"],
                     help="0 picks a free port")
     gw.add_argument("--api-key", default=None,
                     help="clients must send `Authorization: Bearer KEY` on /v1/* (prefer $SPECDEC_GATEWAY_API_KEY: "
@@ -285,8 +285,9 @@ def _add_gateway_parser(sub) -> None:
     gw.add_argument("--max-concurrent-requests", type=positive("--max-concurrent-requests"), default=64,
                     help="generations run at once, each on a worker thread with a session on each side; "
                          "more requests wait for a thread")
-    gw.add_argument("--timeout-s", type=float, default=60.0, help="deadline of every upstream call")
-    gw.add_argument("--recovery-timeout-s", type=float, default=10.0,
+    gw.add_argument("--timeout-s", type=positive("--timeout-s", float), default=60.0,
+                    help="deadline of every upstream call")
+    gw.add_argument("--recovery-timeout-s", type=positive("--recovery-timeout-s", float, zero=True), default=10.0,
                     help="how long a request waits for a lost verifier to come back, or for the first "
                          "connection while the gateway is still connecting, before it fails with 503")
     _add_client_security_args(gw)
@@ -320,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--target-only", action="store_true", help="verifier alone (zero drafts): the baseline")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    g.add_argument("--timeout-s", type=float, default=60.0, help="deadline of every call")
+    g.add_argument("--timeout-s", type=positive("--timeout-s", float), default=60.0,
+                   help="deadline of every call")
     _add_client_security_args(g)
     _sampling_args(g)
 
@@ -330,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--address", help="HOST:PORT of a drafter or verifier")
     target.add_argument("--url", help="HTTP URL of the gateway's health, e.g. http://127.0.0.1:8000/health")
     h.add_argument("--service", default="", help="service name, e.g. specdec.v1.Verifier ('' = the whole server)")
-    h.add_argument("--timeout-s", type=float, default=5.0)
+    h.add_argument("--timeout-s", type=positive("--timeout-s", float), default=5.0)
     _add_client_security_args(h, auth=False)
 
     d = sub.add_parser("demo", help="start both services locally, compare speculative and target-only")
@@ -420,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "random-model":
             import torch
 
+            if os.path.exists(args.out) and not os.path.isdir(args.out):
+                raise ValueError(f"--out {args.out!r} is a file; it must name a folder (new or existing)")
             if args.pair:
                 return _random_pair(args)
             if args.divergence is not None or args.acceptance is not None or args.drafter_layers is not None:
@@ -439,6 +443,10 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecDecError, ValueError) as exc:
         print(f"specdec {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a missing file, a port in use, an unreachable host: the user's to fix
+        logging.getLogger("specdec").debug("specdec %s failed", args.command, exc_info=True)
+        print(f"specdec {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     return 1
 
 

@@ -195,8 +195,8 @@ class VerifyBatcher:
 
 class _Stream:
     """One VerifyStream: steps go out as tagged messages; a reader thread hands each reply to
-    the step it answers (replies can overtake each other) and, when the stream ends or
-    breaks, passes the steps left unanswered to `on_end`."""
+    the step whose tag it carries and, when the stream ends or breaks, passes the steps left
+    unanswered to `on_end`."""
 
     def __init__(self, stub, name: str, on_end, on_reply) -> None:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -114,6 +114,7 @@ class SpeculativeClient:
         self._channels: list[grpc.Channel] = []
         self._closing: list[grpc.Future] = []  # drafter CloseSession calls in flight
         self._closing_lock = threading.Lock()
+        self._live: set[_Generation] = set()  # generations begun and not finished: close() ends them
         self._costs: dict[str, ServingCosts] = {}  # per verifier address: its load model
         self._costs_lock = threading.Lock()
         self._batchers: dict[str, VerifyBatcher] | None = {} if batch_verify else None  # per verifier address
@@ -243,6 +244,12 @@ class SpeculativeClient:
         return batcher.verify(request, timeout, expected=self.costs(server.address).local_running)
 
     def close(self) -> None:
+        """Close every session this client holds (also those of generations still open, e.g.
+        a `stream` not iterated to its end), then the channels."""
+        with self._closing_lock:
+            live, self._live = list(self._live), set()
+        for gen in live:
+            self._finish(gen)
         for batcher in list((self._batchers or {}).values()):
             batcher.close()
         with self._closing_lock:
@@ -274,6 +281,8 @@ class SpeculativeClient:
         if isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
             return self.encode_chat(prompt)
         try:
+            if isinstance(prompt, (bytes, bytearray)) or any(isinstance(t, bool) for t in prompt):
+                raise TypeError  # bytes iterate as ints, and True is an int: neither is token ids
             ids = [operator.index(t) for t in prompt]
         except TypeError:
             raise TypeError("prompt must be a string, a sequence of token ids or a sequence of chat messages "
@@ -431,9 +440,17 @@ class SpeculativeClient:
         gen.counted_on.begin()
         if controller is not None:
             controller.attach(gen.counted_on)
+        with self._closing_lock:
+            self._live.add(gen)
         return gen
 
     def _finish(self, gen: "_Generation") -> None:
+        """Once per generation: by its own end, or by close() if that comes first."""
+        with self._closing_lock:
+            if gen.finished:
+                return
+            gen.finished = True
+            self._live.discard(gen)
         gen.counted_on.end()
         self._end(self.verifiers, gen.verifier)
         if self.drafters is not None:
@@ -788,7 +805,7 @@ class _DrafterLink(_Link):
     observed: tuple | None = None  # (EngineLoad, latency s, steps) of the last Draft, when it samples the step cost
 
 
-@dataclass
+@dataclass(eq=False)  # by identity: a client's live generations are a set
 class _Generation:
     """One generation across its rounds. `committed` (prompt + generated tokens) is the source
     of truth: each round truncates both sessions to their longest prefix that agrees with it,
@@ -807,6 +824,7 @@ class _Generation:
     counted_on: ServingCosts  # the load model that counts this generation as running (begin / end)
     drafter_context: int  # drafts end at the drafter's max_context
     shared_cpu: bool  # both engines on CPUs: a drafter prefill beside the verifier's only shares cores
+    finished: bool = False  # its sessions are closed (_finish ran)
 
 
 def _logprobs_from_pb(response: pb.VerifyResponse) -> list[dict]:

@@ -6,11 +6,13 @@ stays the one place that validates them: its InvalidArgument names the field, wh
 becomes the error's `param`. Chat requests also take vLLM's chat-template extras
 (add_generation_prompt, continue_final_message, chat_template_kwargs). What OpenAI
 defines and this server does not do (n > 1, best_of, echo, suffix, logit_bias, tools,
-structured output) is refused with 400 naming the field, never silently ignored.
+structured output, beam search, ...) is refused with 400 naming the field, never silently
+ignored. A field no API defines is ignored and logged, as vLLM does.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -21,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from client.speculative import GenerationResult, StreamChunk
 from specdec.errors import InvalidArgument
 from specdec.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
@@ -47,12 +51,27 @@ def bad_request(param: str | None, message: str, code: str | None = None) -> API
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (refused)
+
+
+# Fields of OpenAI's API or vLLM's server that change what is generated or returned, and that
+# this server does not do: refused when set to anything but their default (name -> the value
+# that means "off"). Output that only looks constrained is worse than a 400.
+_NOT_DONE: dict[str, object] = {
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+    "guided_decoding_backend": None, "guided_whitespace_pattern": None, "structured_outputs": None,
+    "functions": None, "function_call": None, "use_beam_search": False, "length_penalty": None,
+    "prompt_logprobs": None, "include_stop_str_in_output": False, "bad_words": None, "allowed_token_ids": None,
+    "logits_processors": None, "truncate_prompt_tokens": None, "audio": None, "prediction": None,
+    "chat_template": None, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+    "max_completion_tokens": None,  # /v1/completions only: chat defines it (max_tokens is completions')
+}
 
 
 class _Sampling(BaseModel):
     """Fields both endpoints share: OpenAI's, then vLLM's extras."""
 
-    model_config = ConfigDict(extra="ignore")  # `user`, `metadata`, `store`, ...: no effect on generation
+    model_config = ConfigDict(extra="allow")  # kept to be checked by refuse_unsupported
 
     model: str | None = None
     max_tokens: int | None = None
@@ -75,6 +94,19 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
 
     def refuse_unsupported(self) -> None:
+        extra = dict(self.model_extra or {})
+        for name, off in _NOT_DONE.items():
+            if name in extra:
+                value = extra.pop(name)
+                if value is not None and value != off and value != [] and value != {}:
+                    raise bad_request(name, f"{name} is not supported by this server")
+        modalities = extra.pop("modalities", None)
+        if modalities not in (None, ["text"]):
+            raise bad_request("modalities", f"only text output is supported, got modalities={modalities!r}")
+        if extra:  # `user`, `metadata`, `store`, ...: no effect on generation
+            log.info("request fields ignored: %s", ", ".join(sorted(extra)))
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise bad_request("stream_options", "continuous_usage_stats is not supported; include_usage is")
         if self.n not in (None, 1):
             raise bad_request("n", f"only n=1 is supported, got {self.n}")
         if self.logit_bias:
@@ -150,9 +182,12 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # vLLM's: the last message's content before the reply (refused)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
+        if self.echo:
+            raise bad_request("echo", "echo is not supported")
         if self.tools:
             raise bad_request("tools", "tool calling is not supported")
         if self.tool_choice not in (None, "none"):
@@ -229,7 +264,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_token
         "stop": req.stop,
         "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty,
-        "top_k": None if req.top_k is None else max(req.top_k, 0),  # vLLM: -1 (or 0) disables top-k
+        "top_k": 0 if req.top_k == -1 else req.top_k,  # vLLM: -1 (or 0) disables top-k; below -1 is an error
         "min_p": req.min_p,
         "min_tokens": req.min_tokens,
         "repetition_penalty": req.repetition_penalty,

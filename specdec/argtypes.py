@@ -21,6 +21,17 @@ def positive(name: str, kind=int, zero: bool = False):
     return parse
 
 
+def port(name: str):
+    """An argparse type: a TCP port, 0-65535 (0: any free port)."""
+    def parse(text: str) -> int:
+        value = positive(name, zero=True)(text)
+        if value > 65535:
+            raise argparse.ArgumentTypeError(f"{name} must be a TCP port (0-65535), got {text!r}")
+        return value
+
+    return parse
+
+
 class AddressList(argparse.Action):
     """A repeatable HOST:PORT option (default None): `--x A --x B` and `--x A,B` both give
     "A,B", a pool the client splits."""

@@ -259,12 +259,16 @@ def serve(
     add_servicer(server)
     ops.install(server)
     address = f"{host}:{port}"
-    if tls.enabled:
-        bound = server.add_secure_port(address, server_credentials(tls))
-    else:
-        bound = server.add_insecure_port(address)
+    try:
+        if tls.enabled:
+            bound = server.add_secure_port(address, server_credentials(tls))
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError:  # grpc's "Failed to bind"
+        bound = 0
     if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
+        raise OSError(f"could not listen on {address}: the port is in use, or the host is not an address of "
+                      "this machine")
     server.start()
     metrics_bound = ops.start(host)
     _start_reaper(engine, server)

@@ -56,6 +56,10 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 0),
+    # gRPC binds with SO_REUSEPORT by default: a second server on a port in use would start
+    # and share the port's connections with the first (a drafter and a verifier answering
+    # one address by turns). Off, such a start fails as "address already in use".
+    ("grpc.so_reuseport", 0),
 ]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

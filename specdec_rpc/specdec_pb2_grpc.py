@@ -351,7 +351,7 @@ class VerifierServicer:
     def VerifyStream(self, request_iterator, context):
         """The batched front on one long-lived stream per client connection: each message is one
         client step (a VerifyBatch without a call's setup); a message is queued on the engine as
-        it arrives, and answered as soon as its step is done.
+        it arrives, without waiting for the replies to earlier ones, and answered in turn.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -73,7 +73,8 @@ def test_the_cpu_quick_report_has_every_section(cpu_run):
     sampler = report["sampler"]["rows"]
     assert [r["batch_size"] for r in sampler] == [1, 4] and all(r["rejection_dense_q_us"] > 0 for r in sampler)
     table = report["verifier_alone_table"]
-    assert {(x["gamma"], x["concurrency"]) for x in table} == {(0, 1), (0, 2), (4, 1), (4, 2)}
+    assert {(x["gamma"], x["front"], x["concurrency"]) for x in table} == {
+        (g, f, c) for g, f in ((0, "unary"), (4, "unary"), (0, "stream")) for c in (1, 2)}
     for x in table:  # the service's own step and bench engine's, beside the measured rounds/s
         assert x["rounds_per_s"] > 0 and x["device_ms"] > 0 and x["host_ms"] >= 0
         assert x["engine_rows_per_s"] > 0 and x["bench_engine_rows_per_s"] > 0 and x["bench_engine_efficiency"] > 0
@@ -150,6 +151,7 @@ def _h100_parts(gc, k: float) -> list[dict]:
                "p50_round_ms": p50 * k, "p99_round_ms": p50 * 1.5 * k ** 2, "mean_step_ms": 3.0, "mean_device_ms": 2.5,
                "mean_host_ms": 0.5, "engine_rows_per_s": 12000.0, "efficiency": rps / k / 12000.0}
               for c, rps, p50 in ((1, 330.0, 3.0), (64, 9000.0, 7.0))]
+    levels.append({**levels[-1], "gamma": 0, "front": "stream", "rounds_per_s": 13000.0 / k})
 
     def point(c: int, speedup: float) -> dict:
         return {"concurrency": c, "num_prompts": 8, "measured_speedup": speedup / k, "ideal_speedup": 2.5,
@@ -219,8 +221,8 @@ def test_the_verifier_alone_table_sets_rounds_beside_both_engine_figures():
     γ 0 reads bench engine's decode row."""
     gc = _load_script()
     report = gc.merge_parts(_h100_parts(gc, 1.0))
-    rows = {(x["gamma"], x["concurrency"]): x for x in report["verifier_alone_table"]}
-    x = rows[(4, 64)]
+    rows = {(x["gamma"], x["front"], x["concurrency"]): x for x in report["verifier_alone_table"]}
+    x = rows[(4, "unary", 64)]
     assert x["bench_engine_ms"] == 5.0 and x["bench_engine_rows_per_s"] == pytest.approx(12800.0)
     assert x["bench_engine_efficiency"] == pytest.approx(9000.0 / 12800.0)
     assert x["service_efficiency"] == pytest.approx(0.75) and x["host_ms"] == 0.5
@@ -244,7 +246,7 @@ def test_gpu_figures_give_expected_speedup_and_goal_verdicts(slow):
     k = 2.0 if slow else 1.0
     assert b1["batch"] == 1 and b1["expected_speedup"] == pytest.approx(e * 1.8 * k / (4 * 0.5 * k + 2.0 * k))
     verdicts = {g["goal"]: g["status"] for g in report["goals"]}
-    assert len(verdicts) == 12 and set(verdicts.values()) == {"not met" if slow else "met"}, verdicts
+    assert len(verdicts) == 13 and set(verdicts.values()) == {"not met" if slow else "met"}, verdicts
     md = gc.render_markdown(report)
     assert "## Expected speedup" in md and ("| not met |" if slow else "| met |") in md
 

@@ -176,8 +176,9 @@ def test_the_python_client_takes_text_token_ids_or_chat_messages_and_names_what_
         client.generate([1, client.verifier_info.vocab_size], greedy)  # refused before any session opens
     with pytest.raises(TypeError, match="params must be a SamplingParams, got dict"):
         client.generate("hello", {"max_tokens": 3})
-    with pytest.raises(TypeError, match="prompt must be a string"):
-        client.generate(None, greedy)
+    for not_a_prompt in (None, b"hello", [True, False]):  # bytes and bools iterate as ints
+        with pytest.raises(TypeError, match="prompt must be a string"):
+            client.generate(not_a_prompt, greedy)
 
 
 def test_first_token_over_grpc_follows_target_distribution(int8_client, target_lm, int8_lm):
@@ -220,8 +221,37 @@ def test_cli_generate_json_speculative_and_target_only(drafter_proc, verifier_pr
 
 
 @pytest.mark.parametrize("flag,value", [("--temperature", "-1"), ("--top-p", "2"), ("--top-k", "-3"),
-                                        ("--max-tokens", "0")])
+                                        ("--max-tokens", "0"), ("--timeout-s", "0"), ("--timeout-s", "-1")])
 def test_cli_bad_argument_exits_nonzero_naming_it(flag, value):
     r = _cli("generate", "--verifier", "127.0.0.1:1", "--target-only", "--prompt", "x", flag, value, timeout=60)
     assert r.returncode != 0
     assert flag in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_closing_a_client_closes_the_sessions_of_a_stream_left_unfinished(drafter_proc, verifier_proc,
+                                                                          verifier_stub, drafter_stub):
+    """A `stream` taken for one chunk and then abandoned (still referenced): close() ends its
+    sessions on both services, and the generator, resumed or collected later, raises nothing."""
+    from client.speculative import SpeculativeClient
+
+    def live() -> tuple[int, int]:
+        return (verifier_stub.GetStats(pb.StatsRequest(), timeout=10).live_sessions,
+                drafter_stub.GetStats(pb.StatsRequest(), timeout=10).live_sessions)
+
+    before = live()
+    client = SpeculativeClient(verifier_proc.address, drafter=drafter_proc.address, num_speculative_tokens=2)
+    stream = client.stream(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=32))
+    next(stream)
+    next(stream)  # a drafting round: the drafter holds a session too
+    assert live()[0] == before[0] + 1
+    client.close()
+    assert live() == before
+    stream.close()  # its own end finds the sessions closed already
+
+
+def test_random_model_refuses_an_out_path_that_is_a_file(tmp_path):
+    target = tmp_path / "model.txt"
+    target.write_text("keep me")
+    r = _cli("random-model", "--preset", "tiny", "--out", str(target), timeout=120)
+    assert r.returncode == 2 and "is a file" in r.stderr
+    assert target.read_text() == "keep me"

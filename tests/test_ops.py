@@ -165,3 +165,19 @@ def test_sigterm_drains_finishes_the_call_in_flight_refuses_new_ones_and_exits_i
         assert any("drain role=verifier idle=True" in line for line in svc.output), svc.output[-10:]
     finally:
         svc.kill()
+
+
+def test_a_service_refuses_a_port_in_use_and_a_port_past_65535(services):
+    """gRPC binds with SO_REUSEPORT unless told not to: a second service on a taken port would
+    start and take half of the first one's connections. It must fail, saying so."""
+    svc, _ = services["verifier"]
+    port = svc.address.rsplit(":", 1)[1]
+    taken = subprocess.run([sys.executable, "-m", "cli", "drafter", "--backend", "ngram", "--port", port],
+                           capture_output=True, text=True, timeout=120)
+    assert taken.returncode != 0 and "could not listen on" in taken.stderr, taken.stderr[-2000:]
+    assert "Traceback" not in taken.stderr
+    with grpc.insecure_channel(svc.address) as ch:  # the first one still serves, alone
+        assert pb_grpc.VerifierStub(ch).GetModelInfo(pb.ModelInfoRequest(), timeout=10).vocab_size > 0
+    past = subprocess.run([sys.executable, "-m", "cli", "drafter", "--backend", "ngram", "--port", "70000"],
+                          capture_output=True, text=True, timeout=60)
+    assert past.returncode == 2 and "--port must be a TCP port (0-65535)" in past.stderr

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import queue
 import threading
@@ -16,7 +15,7 @@ from specdec_rpc.adapters import (
     SessionMethods, load_to_pb, proposal_from_pb, rpc_method, run_until_signal, sampling_from_pb, serve, status_for,
 )
 from specdec_rpc.ops import caller_owner
-from verifier_service.engine import BatchInFlight, VerifierEngine, VerifyCall, VerifyOut
+from verifier_service.engine import VerifierEngine, VerifyCall, VerifyOut
 
 
 log = logging.getLogger(__name__)
@@ -38,15 +37,13 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
 
     def VerifyStream(self, request_iterator, context):
         """One long-lived stream per client: each message is begun on the engine by a reader
-        thread as it arrives (checked, sessions held, queued), and answered here as soon as its
-        step is done, possibly before an earlier message. This thread builds the replies, so
-        the engine thread only signals completion. However the stream ends (the client closes
-        it, disconnects or is cancelled), every begun message is finished: its sessions are
-        released, none stays held."""
+        thread as it arrives (checked, sessions held, queued), so a step never waits for the
+        reply to an earlier one; this thread waits for each in turn (the engine serves them in
+        arrival order) and builds the replies. However the stream ends (the client closes it,
+        disconnects or is cancelled), every begun message is finished: no session stays held."""
         owner = caller_owner(context)
-        done: queue.SimpleQueue = queue.SimpleQueue()  # (tag, BatchInFlight) once its step is done; None: reading ended
+        begun: queue.SimpleQueue = queue.SimpleQueue()  # (tag, BatchInFlight) in arrival order; None: reading ended
         lock = threading.Lock()
-        begun: dict[int, tuple[int, BatchInFlight]] = {}  # id -> (tag, batch): begun, not yet answered
         closed = False
 
         def read() -> None:
@@ -55,56 +52,31 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
                     with lock:  # never begin a message after the stream has let its sessions go
                         if closed:
                             return
-                        batch = self.engine.begin_batch(_calls(message, owner))
-                        begun[id(batch)] = (message.tag, batch)
-                    _when_all_done(batch.futures, functools.partial(done.put, (message.tag, batch)))
+                        begun.put((message.tag, self.engine.begin_batch(_calls(message, owner))))
             except grpc.RpcError:
                 pass  # the client went away: the stream's end finishes what was begun
             except Exception:  # noqa: BLE001 - never leave the stream waiting
                 log.exception("VerifyStream reader failed")
             finally:
-                done.put(None)
+                begun.put(None)
 
         threading.Thread(target=read, name="verify-stream", daemon=True).start()
-        reading = True
         try:
-            while reading or begun:  # after reading ends, what is still in flight is answered
-                item = done.get()
-                if item is None:
-                    reading = False
-                    continue
+            while (item := begun.get()) is not None:
                 tag, batch = item
-                with lock:
-                    del begun[id(batch)]
                 reply = _batch_response(self.engine.finish_batch(batch))
                 reply.tag = tag
                 yield reply
         finally:
             with lock:
-                closed, left = True, list(begun.values())
-                begun.clear()
-            for _, batch in left:  # the client is gone: release the sessions all the same
-                self.engine.finish_batch(batch)
-
-
-def _when_all_done(futures: list, callback) -> None:
-    """Call `callback()` once every future is done (at once for none), from whichever
-    thread completes the last one (the engine's: it must stay cheap)."""
-    if not futures:
-        callback()
-        return
-    left = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            callback()
-
-    for f in futures:
-        f.add_done_callback(one_done)
+                closed = True
+            while True:  # the client is gone mid-stream: release the sessions all the same
+                try:
+                    item = begun.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    self.engine.finish_batch(item[1])
 
 
 def _calls(request: pb.VerifyBatchRequest, owner: str | None) -> list[VerifyCall | Exception]:
