@@ -72,13 +72,17 @@ def test_drafter_killed_during_8_generations_they_finish_target_only_and_specula
                 svc.kill()
 
 
-def test_verifier_restarted_mid_generation_generations_complete_with_the_greedy_output():
+@pytest.mark.parametrize("batch_verify", [False, True], ids=["unary", "stream"])
+def test_verifier_restarted_mid_generation_generations_complete_with_the_greedy_output(batch_verify):
+    """With batch_verify the decode rounds ride one VerifyStream: the kill breaks it, its rounds
+    fail UNAVAILABLE and recover as unary ones do, and the next steps open a new stream."""
     verifier = start_service("verifier", ARGS, threads=1)
     drafter = start_service("drafter", ARGS, threads=1)
     restarted = None
     prompts = PROMPTS[:4]
     try:
-        with SpeculativeClient(verifier.address, drafter=drafter.address, recovery_timeout_s=240) as client:
+        with SpeculativeClient(verifier.address, drafter=drafter.address, recovery_timeout_s=240,
+                               batch_verify=batch_verify) as client:
             expected = [client.generate(p, GREEDY, target_only=True).token_ids for p in prompts]
             progress: collections.Counter = collections.Counter()
             results, threads = stream_concurrently(client, [(p, GREEDY) for p in prompts], progress)
@@ -92,6 +96,7 @@ def test_verifier_restarted_mid_generation_generations_complete_with_the_greedy_
             recovered = [r for r in results if r.verifier_recoveries > 0]
             assert recovered, "no generation was still running when the verifier died"
             assert all(r.num_draft_tokens > 0 for r in results)  # the drafter kept drafting throughout
+            assert [b._front for b in (client._batchers or {}).values()] == (["stream"] if batch_verify else [])
             print(f"verifier restart: recoveries {[r.verifier_recoveries for r in results]}; "
                   f"tokens compared {sum(map(len, expected))}")
     finally:
