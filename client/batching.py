@@ -122,7 +122,8 @@ class VerifyBatcher:
                                   f"no reply from verifier {self._name} within {timeout:.1f} s") from None
 
     def close(self) -> None:
-        """End the stream (the server answers what it has, then ends it too)."""
+        """End the stream: rounds still waiting on it fail CANCELLED (the server finishes their
+        steps and lets their sessions go)."""
         with self._cond:
             stream, self._stream = self._stream, None
         if stream is not None:
