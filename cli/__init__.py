@@ -128,9 +128,24 @@ def _apply_env_defaults(p: argparse.ArgumentParser, role: str, shared: bool = Tr
                 action.default = value.strip().lower() in ("1", "true", "yes", "on")
             else:
                 action.default = value if value != "" else None  # argparse runs `type` on string defaults
+                if action.type is not None:
+                    action.type = _naming_env(action.type, var, action.default)
                 checks.append((var, action.dest, action.choices))
             break
     p.set_defaults(_env_checks=checks)
+
+
+def _naming_env(convert, var: str, value: str | None):
+    """`convert`, whose error names the variable when it converts that variable's value."""
+    def from_env(text: str):
+        try:
+            return convert(text)
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as exc:
+            if text is not value:
+                raise
+            raise argparse.ArgumentTypeError(f"${var}={text!r}: {exc}") from None
+    from_env.__name__ = getattr(convert, "__name__", "value")  # argparse names the type in its messages
+    return from_env
 
 
 def _check_env_values(args: argparse.Namespace) -> None:

@@ -1,5 +1,5 @@
 """The FastAPI application: OpenAI's /v1/completions, /v1/chat/completions and /v1/models,
-plus /health and /metrics, over one `Upstream` (the speculative client).
+plus /health, /metrics and /version (as vLLM's server), over one `Upstream` (the speculative client).
 
 A request is validated (pydantic, then SamplingParams), tokenized, and queued on a worker
 thread; the handler waits for the first round's chunk before it answers, so a verifier
@@ -19,6 +19,8 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _package_version
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -46,7 +48,11 @@ from gateway.upstream import Generation, Upstream, UpstreamConfig
 log = logging.getLogger("specdec.gateway")
 
 CLIENT_CLOSED = 499  # nginx's code for a request the client abandoned; only metrics and logs see it
-_ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics")
+_ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics", "/version")
+try:
+    _VERSION = _package_version("specdec")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    _VERSION = "unknown"
 
 
 @dataclass(frozen=True)
@@ -102,10 +108,14 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
 
     # ---- operations -----------------------------------------------------------------------------
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and curl -I's probe
     async def health() -> JSONResponse:
         ok, detail = await upstream.health()
         return JSONResponse(detail, status_code=200 if ok else 503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": _VERSION}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

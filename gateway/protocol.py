@@ -380,7 +380,9 @@ class ResponseBuilder:
             offsets.append(self._offset)
             self._offset += len(text)
         return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{self.decode(t): v for t, v in e["top_logprobs"].items()} for e in entries],
+                # As vLLM: the sampled token leads each top_logprobs dict (logprobs=0 gives just it).
+                "top_logprobs": [{self.decode(e["token_id"]): e["logprob"],
+                                  **{self.decode(t): v for t, v in e["top_logprobs"].items()}} for e in entries],
                 "text_offset": offsets}
 
 

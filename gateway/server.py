@@ -4,6 +4,7 @@ local launcher) and the line `gateway listening on HOST:PORT` names the port bou
 from __future__ import annotations
 
 import socket
+import ssl
 
 import uvicorn
 
@@ -28,13 +29,23 @@ def serve(config: GatewayConfig, host: str = "127.0.0.1", port: int = 8000, *, g
     """Serve until SIGINT / SIGTERM; then stop accepting, let requests in flight finish for
     up to grace_s, cancel the rest (closing their upstream sessions) and exit. `upstream`:
     another client behind the app (default: a SpeculativeClient from config.upstream)."""
+    if ssl_certfile or ssl_keyfile:  # uvicorn would load them only after binding, naming neither file
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(ssl_certfile, ssl_keyfile)
+        except (OSError, ssl.SSLError, TypeError) as exc:
+            raise ValueError(f"--ssl-certfile {ssl_certfile!r} / --ssl-keyfile {ssl_keyfile!r}: "
+                             f"not a usable certificate and key ({exc})") from None
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto=IPPROTO_TCP, as getaddrinfo would give: asyncio sets TCP_NODELAY on accepted connections
     # only for such sockets, and without it Nagle holds each response body back for the client's
     # delayed ACK (~40 ms per request).
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"could not listen on {host}:{port}: {exc.strerror or exc}") from None
     bound = sock.getsockname()[1]
     uv_config = uvicorn.Config(create_app(config, upstream), log_level=log_level.lower(),
                                timeout_graceful_shutdown=grace_s,

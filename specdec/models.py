@@ -216,12 +216,35 @@ def _resolve(spec: ModelSpec) -> tuple[str, dict]:
     """(path or id, extra from_pretrained kwargs), never reaching a hub."""
     if spec.is_embedded:
         return str(ensure_embedded_model()), {}
-    kwargs: dict = {}
-    if spec.gguf_file:
-        kwargs["gguf_file"] = spec.gguf_file
-    if not Path(spec.model).exists():
-        kwargs["local_files_only"] = True  # a HF id must already be in the local HF cache
-    return spec.model, kwargs
+    model, gguf = spec.model, spec.gguf_file
+    path = Path(model).expanduser()
+    local_files_only = False
+    if path.is_file():
+        if path.suffix != ".gguf" or gguf:
+            raise ValueError(f"model {model!r} is a file: give the folder that holds its config.json, or a .gguf file")
+        model, gguf = str(path.parent), path.name
+    elif path.is_dir():
+        if gguf and not (path / gguf).is_file():
+            raise FileNotFoundError(f"no GGUF file {gguf!r} in model folder {model!r}")
+        if not gguf and not (path / "config.json").is_file():
+            raise ValueError(f"model folder {model!r} has no config.json (not a transformers model folder; "
+                             "for a GGUF model pass the .gguf file)")
+        model = str(path)
+    elif model.startswith(("/", ".", "~")) or model.count("/") > 1:
+        raise FileNotFoundError(f"no such model folder: {model!r}")
+    else:
+        from huggingface_hub import try_to_load_from_cache
+
+        # A hub id must already be in the local HF cache: the services never download at start.
+        if not isinstance(try_to_load_from_cache(model, gguf or "config.json"), str):
+            raise FileNotFoundError(
+                f"model {model!r} is neither a local folder nor in the Hugging Face cache; the services do not "
+                f"download models: fetch it first (`hf download {model}`) or give a folder")
+        local_files_only = True
+    kwargs: dict = {"gguf_file": gguf} if gguf else {}
+    if local_files_only:
+        kwargs["local_files_only"] = True
+    return model, kwargs
 
 
 def tokenizer_source(spec: ModelSpec) -> str:

@@ -5,6 +5,7 @@ send what is tested: malformed JSON, a missing key)."""
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import statistics
 import subprocess
@@ -161,6 +162,28 @@ def test_logprobs_are_returned_per_token_in_the_chat_shape(oai, model):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("k", [0, 2])
+def test_completion_logprobs_have_the_sampled_token_first_in_each_top_dict(oai, model, k):
+    """vLLM's completions shape: logprobs=k gives each token's top-k, led by the sampled token
+    (so logprobs=0 still names it); the text offsets walk the tokens' texts."""
+    reply = oai.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=k)
+    lp = reply.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == reply.usage.completion_tokens
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert next(iter(top.items())) == (token, pytest.approx(logprob)) and logprob <= 0.0
+        assert len(top) <= k + 1 and (k == 0 or logprob == pytest.approx(max(top.values())))  # greedy: argmax
+
+
+@pytest.mark.slow
+def test_health_answers_head_and_version_names_the_package(base_url):
+    with httpx.Client(base_url=base_url) as http:
+        assert http.head("/health").status_code == 200
+        version = http.get("/version")
+    assert version.status_code == 200 and version.json()["version"] == importlib.metadata.version("specdec")
+
+
+@pytest.mark.slow
 def test_continue_final_message_continues_the_assistants_text(oai, model, tokenizer):
     """vLLM's assistant prefill: the prompt ends inside the last assistant message (no end of
     turn after it) and the reply is its continuation, as a completion of those ids would be."""
@@ -266,6 +289,23 @@ def test_unreachable_upstream_is_503_on_health_and_api():
         assert reply.status_code == 503
         assert reply.json()["error"]["code"] == "upstream_unavailable"
         assert httpx.get(f"{url}/health").status_code == 503  # still serving
+
+
+@pytest.mark.slow
+def test_a_taken_port_and_unusable_tls_files_are_one_line_errors(tmp_path):
+    def gateway(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "cli", "gateway", "--verifier", "127.0.0.1:1", *args],
+                              capture_output=True, text=True, timeout=60)
+
+    with start_service("gateway", ["--verifier", "127.0.0.1:1", "--log-level", "ERROR"]) as gw:
+        taken = gateway("--port", gw.address.rsplit(":", 1)[1])
+    assert taken.returncode == 1 and "could not listen on 127.0.0.1:" in taken.stderr, taken.stderr[-2000:]
+    (tmp_path / "bad.pem").write_text("not a certificate")
+    for cert in (tmp_path / "missing.pem", tmp_path / "bad.pem"):
+        bad = gateway("--port", "0", "--ssl-certfile", str(cert), "--ssl-keyfile", str(cert))
+        assert bad.returncode == 1 and f"--ssl-certfile '{cert}'" in bad.stderr, bad.stderr[-2000:]
+    for run in (taken, bad):
+        assert "Traceback" not in run.stderr
 
 
 # ---- operations ------------------------------------------------------------------------------

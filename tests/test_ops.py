@@ -3,6 +3,7 @@ and the SIGTERM drain."""
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import socket
@@ -181,3 +182,21 @@ def test_a_service_refuses_a_port_in_use_and_a_port_past_65535(services):
     past = subprocess.run([sys.executable, "-m", "cli", "drafter", "--backend", "ngram", "--port", "70000"],
                           capture_output=True, text=True, timeout=60)
     assert past.returncode == 2 and "--port must be a TCP port (0-65535)" in past.stderr
+
+
+def test_a_bad_model_path_or_environment_value_is_named_in_one_line(tmp_path):
+    """What a new user mistypes: a missing folder, a file, a folder without config.json, a hub id
+    never downloaded, $SPECDEC_VERIFIER_PORT=abc. Each is refused before loading, saying which."""
+    (tmp_path / "weights.bin").write_bytes(b"")
+    (tmp_path / "empty").mkdir()
+    cases = [
+        ({}, ["--model", str(tmp_path / "missing")], "no such model folder"),
+        ({}, ["--model", str(tmp_path / "weights.bin")], "is a file"),
+        ({}, ["--model", str(tmp_path / "empty")], "has no config.json"),
+        ({"HF_HUB_OFFLINE": "1"}, ["--model", "no-such-org/no-such-model"], "nor in the Hugging Face cache"),
+        ({"SPECDEC_VERIFIER_PORT": "abc"}, [], "$SPECDEC_VERIFIER_PORT='abc'"),
+    ]
+    for env, args, expected in cases:
+        run = subprocess.run([sys.executable, "-m", "cli", "verifier", *args], capture_output=True, text=True,
+                             timeout=120, env={**os.environ, "HF_HOME": str(tmp_path / "hf"), **env})
+        assert run.returncode != 0 and expected in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
