@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator, Mapping, Sequence
 
 import grpc
+from jinja2 import TemplateError
 
 from client.batching import VerifyBatcher
 from client.output import GenerationResult, OutputProcessor, StreamChunk
@@ -103,13 +104,14 @@ class SpeculativeClient:
         rounds of this client's concurrent generations on one verifier travel together, one
         VerifyBatch call per step (client/batching.py; for clients that carry many
         generations: the gateway, `bench`); output is the same as with unary calls."""
+        for name, value in (("timeout_s", timeout_s), ("recovery_timeout_s", recovery_timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         self.timeout_s = timeout_s
-        self.num_speculative_tokens = num_speculative_tokens
+        self.num_speculative_tokens = _check_gamma(num_speculative_tokens)
         self.proposal_format = proposal_format
         self.recovery_timeout_s = recovery_timeout_s
-        if fanout < 0:
-            raise ValueError(f"fanout must be >= 0, got {fanout}")
-        self.fanout = fanout  # speculation cache: bonus candidates the drafter pre-drafts per round
+        self.fanout = _check_fanout(fanout)  # speculation cache: bonus candidates the drafter pre-drafts per round
         tls = TLSFiles(cert=tls_cert, key=tls_key, ca=tls_ca)
         self._channels: list[grpc.Channel] = []
         self._closing: list[grpc.Future] = []  # drafter CloseSession calls in flight
@@ -298,9 +300,17 @@ class SpeculativeClient:
         """Token ids of a conversation through the model's chat template, ready for the reply
         (add_generation_prompt), or ending inside the last assistant message, which the reply
         then continues (continue_final_message). template_kwargs: the template's own variables."""
-        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final_message, tokenize=True,
-                                                 **template_kwargs)
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+                raise ValueError(f"messages[{i}] must be a dict with a string 'role', got {m!r}")
+            if not isinstance(m.get("content"), (str, list)) and not m.get("tool_calls"):
+                raise ValueError(f"messages[{i}] ({m['role']}) needs a 'content' string, got {m.get('content')!r}")
+        try:
+            ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                                     continue_final_message=continue_final_message, tokenize=True,
+                                                     **template_kwargs)
+        except (TemplateError, TypeError) as exc:  # the template's own checks (roles, alternation, content)
+            raise ValueError(f"the chat template refused the conversation: {exc}") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)
@@ -359,17 +369,11 @@ class SpeculativeClient:
         seeded request wait for it, so that their rounds, hence their output, reproduce)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        gamma_max = self.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+        gamma_max = self.num_speculative_tokens if num_speculative_tokens is None else _check_gamma(num_speculative_tokens)
         adaptive = gamma_max == AUTO
         if adaptive:
             gamma_max = AUTO_GAMMA_MAX
-        fanout = self.fanout if fanout is None else fanout
-        if not isinstance(gamma_max, int):
-            raise ValueError(f"num_speculative_tokens must be an integer or {AUTO!r}, got {gamma_max!r}")
-        if fanout < 0:
-            raise ValueError(f"fanout must be >= 0, got {fanout}")
-        if gamma_max < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got {gamma_max}")
+        fanout = self.fanout if fanout is None else _check_fanout(fanout)
         speculative = not target_only and gamma_max > 0
         if speculative and self.drafters is None:
             raise ValueError("speculative decoding needs a drafter address (or use target_only=True)")
@@ -378,6 +382,10 @@ class SpeculativeClient:
         prompt_ids = self.encode_prompt(prompt, chat)
         if not prompt_ids:
             raise ValueError("the prompt is empty after tokenization")
+        vocab = self.verifier_info.vocab_size
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: token id {bad} is outside the verifier's vocabulary [0, {vocab})")
         max_context = self.verifier_info.max_context
         if len(prompt_ids) + params.max_tokens > max_context:
             raise ValueError(
@@ -825,6 +833,18 @@ class _Generation:
     drafter_context: int  # drafts end at the drafter's max_context
     shared_cpu: bool  # both engines on CPUs: a drafter prefill beside the verifier's only shares cores
     finished: bool = False  # its sessions are closed (_finish ran)
+
+
+def _check_gamma(value: int | str) -> int | str:
+    if value != AUTO and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"num_speculative_tokens must be an integer >= 0 or {AUTO!r}, got {value!r}")
+    return value
+
+
+def _check_fanout(value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"fanout must be an integer >= 0, got {value!r}")
+    return value
 
 
 def _logprobs_from_pb(response: pb.VerifyResponse) -> list[dict]:

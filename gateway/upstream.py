@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 import anyio
 import grpc
 
+from client.pool import parse_addresses
 from client.speculative import IncompatibleModels, SpeculativeClient, StreamChunk
 from gateway.protocol import APIError
 from specdec.sampling import SamplingParams
@@ -57,6 +58,10 @@ class UpstreamConfig:
     tls_key: str | None = None
     auth_token: str | None = None
     max_concurrent_requests: int = 64
+
+    def __post_init__(self) -> None:  # at start, not in the background connection's retries
+        parse_addresses(self.verifier, "verifier")
+        parse_addresses(self.drafter, "drafter")
 
 
 def upstream_error(exc: BaseException) -> APIError:

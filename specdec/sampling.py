@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import secrets
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -73,8 +74,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the dataclass hashable and immutable.
         object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        try:
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        except TypeError:
+            raise InvalidArgument("stop_token_ids", f"must be a sequence of token ids, got {self.stop_token_ids!r}") from None
         self.validate()
+        for name in ("top_k", "max_tokens", "min_tokens", "seed", "logprobs"):  # numpy's ints -> int
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
+        object.__setattr__(self, "stop_token_ids", tuple(map(int, self.stop_token_ids)))
 
     @property
     def greedy(self) -> bool:
@@ -91,6 +99,19 @@ class SamplingParams:
                 raise InvalidArgument(name, f"must be a finite number, got {value!r}")
             return value
 
+        def integer(name: str, value: object) -> None:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # 1.5, "3", True: a caller's slip
+                raise InvalidArgument(name, f"must be an integer, got {value!r}")
+
+        for name in ("top_k", "max_tokens", "min_tokens"):
+            integer(name, getattr(self, name))
+        for name in ("seed", "logprobs"):
+            if getattr(self, name) is not None:
+                integer(name, getattr(self, name))
+        for t in self.stop_token_ids:
+            integer("stop_token_ids", t)
+        if not all(isinstance(s, str) for s in self.stop):
+            raise InvalidArgument("stop", f"stop strings must be strings, got {self.stop!r}")
         if finite("temperature") < 0:
             raise InvalidArgument("temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:

@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from client.speculative import IncompatibleModels, check_compatible
+from client.speculative import IncompatibleModels, SpeculativeClient, check_compatible
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.serving import ModelInfo
 from specdec_rpc import specdec_pb2 as pb
@@ -179,6 +179,31 @@ def test_the_python_client_takes_text_token_ids_or_chat_messages_and_names_what_
     for not_a_prompt in (None, b"hello", [True, False]):  # bytes and bools iterate as ints
         with pytest.raises(TypeError, match="prompt must be a string"):
             client.generate(not_a_prompt, greedy)
+    vocab = client.verifier_info.vocab_size
+    with pytest.raises(ValueError, match=f"stop_token_ids: token id {vocab} is outside"):
+        client.generate("hello", greedy.replace(stop_token_ids=(vocab,)))  # not the services' raw RpcError
+    for bad_chat, expected in (([{"role": "user"}], r"messages\[0\] \(user\) needs a 'content' string"),
+                               ([{"role": "user", "content": 5}], "needs a 'content' string"),
+                               ([{"content": "hi"}], r"messages\[0\] must be a dict with a string 'role'")):
+        with pytest.raises(ValueError, match=expected):
+            client.generate(bad_chat, greedy)
+    for gamma in (-1, "4", 1.5, True):
+        with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 0 or 'auto'"):
+            client.generate("hello", greedy, num_speculative_tokens=gamma)
+    with pytest.raises(ValueError, match="fanout must be an integer >= 0"):
+        client.generate("hello", greedy, fanout="2")
+
+
+def test_the_client_constructor_names_a_bad_address_gamma_or_timeout(verifier_proc):
+    verifier = verifier_proc.address
+    for kwargs, expected in (({"verifier": "127.0.0.1"}, "needs a port: HOST:PORT"),
+                             ({"verifier": verifier, "drafter": "[::1]"}, "needs a port"),
+                             ({"verifier": "127.0.0.1:70000"}, "the port must be in 1-65535"),
+                             ({"verifier": verifier, "num_speculative_tokens": -2}, "num_speculative_tokens"),
+                             ({"verifier": verifier, "fanout": -1}, "fanout must be"),
+                             ({"verifier": verifier, "timeout_s": 0}, "timeout_s must be a positive number")):
+        with pytest.raises(ValueError, match=expected):
+            SpeculativeClient(**kwargs)
 
 
 def test_first_token_over_grpc_follows_target_distribution(int8_client, target_lm, int8_lm):
@@ -232,7 +257,6 @@ def test_closing_a_client_closes_the_sessions_of_a_stream_left_unfinished(drafte
                                                                           verifier_stub, drafter_stub):
     """A `stream` taken for one chunk and then abandoned (still referenced): close() ends its
     sessions on both services, and the generator, resumed or collected later, raises nothing."""
-    from client.speculative import SpeculativeClient
 
     def live() -> tuple[int, int]:
         return (verifier_stub.GetStats(pb.StatsRequest(), timeout=10).live_sessions,

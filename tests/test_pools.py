@@ -50,6 +50,19 @@ def test_addresses_come_from_strings_commas_and_sequences_and_a_repeat_is_refuse
         parse_addresses("a:1,b:2,b:2", "drafter")
 
 
+@pytest.mark.parametrize("address", ["[::1]:50051", "dns:///svc.local:50051", "unix:/tmp/verifier.sock"])
+def test_ipv6_and_grpc_target_schemes_are_addresses(address):
+    assert parse_addresses(address, "verifier") == [address]
+
+
+@pytest.mark.parametrize("address,expected", [("10.0.0.5", "needs a port"), ("::1", "needs a port"),
+                                              ("[::1]", "needs a port"), ("host:0", "must be in 1-65535"),
+                                              ("host:http", "must be in 1-65535"), ("a:1,b", "'b' needs a port")])
+def test_an_address_without_a_usable_port_is_refused_not_dialled_on_443(address, expected):
+    with pytest.raises(ValueError, match=expected):
+        parse_addresses(address, "verifier")
+
+
 def test_new_sessions_go_to_the_server_with_the_fewest_live_sessions():
     pool = _pool(3)
     picked = [pool.pick() for _ in range(7)]

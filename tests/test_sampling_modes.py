@@ -18,6 +18,7 @@ import collections
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -289,7 +290,10 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     "field,value",
     [("repetition_penalty", 0.0), ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("min_tokens", -1),
      ("logprobs", 21), ("acceptance_method", "nope"), ("posterior_threshold", 1.5), ("posterior_alpha", -0.1),
-     ("temperature", float("nan")), ("top_p", float("inf"))],
+     ("temperature", float("nan")), ("top_p", float("inf")),
+     # A Python caller's type slips: each names its field instead of failing later in a comparison.
+     ("max_tokens", None), ("max_tokens", True), ("seed", 1.5), ("seed", "7"), ("top_k", 2.0), ("logprobs", "1"),
+     ("stop_token_ids", [1.0]), ("stop_token_ids", 5), ("stop", [1])],
 )
 def test_every_invalid_sampling_parameter_names_its_field(field, value):
     from specdec.errors import InvalidArgument
@@ -297,6 +301,12 @@ def test_every_invalid_sampling_parameter_names_its_field(field, value):
     with pytest.raises(InvalidArgument) as err:
         SamplingParams(**{field: value})
     assert err.value.field == field
+
+
+def test_integer_fields_take_numpy_integers_as_python_ints():
+    params = SamplingParams(seed=np.uint64(7), max_tokens=np.int64(4), stop_token_ids=[np.int32(2)])
+    assert (params.seed, params.max_tokens, params.stop_token_ids) == (7, 4, (2,))
+    assert all(type(v) is int for v in (params.seed, params.max_tokens, *params.stop_token_ids))
 
 
 def test_greedy_acceptance_method_requires_temperature_zero():
