@@ -64,6 +64,7 @@ class Server(Generic[StubT]):
     index: int = 0  # position in the pool, the last tie-breaker
     info: object | None = None  # its ModelInfo once it answered and passed the checks; None: check it first
     sessions: int = 0  # live sessions of this client on it: the balancing signal
+    capacity: int = 0  # the sessions it admits at once (ModelInfo.max_sessions); 0: unbounded
     opened: int = 0  # sessions given to it so far: breaks ties between equal loads
     down: bool = False  # failed last time; tried again once retry_at has passed
     retry_at: float = 0.0  # clock() time of the next try while down
@@ -91,6 +92,7 @@ class ServerPool(Generic[StubT]):
             server.index = i
         self._clock = clock
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified when a session slot is given back
 
     def __len__(self) -> int:
         return len(self.servers)
@@ -99,11 +101,14 @@ class ServerPool(Generic[StubT]):
         """The server for a new session, its slot taken (give it back with `release`): of
         the enabled servers not in `exclude` that are up or due for a retry, the one with the
         fewest live sessions. None if there is none. A down server that is picked is claimed
-        for one retry, so concurrent generations do not all probe it at once."""
+        for one retry, so concurrent generations do not all probe it at once. A server that
+        holds as many of this client's sessions as it admits is not picked: past that it would
+        evict this client's idle sessions, each to be re-prefilled (see `wait_for_room`)."""
         with self._lock:
             now = self._clock()
             ready = [s for s in self.servers
-                     if s.disabled is None and s not in exclude and (not s.down or now >= s.retry_at)]
+                     if s.disabled is None and s not in exclude and (not s.down or now >= s.retry_at)
+                     and not _full(s)]
             if not ready:
                 return None
             server = min(ready, key=lambda s: (s.sessions, s.opened, s.index))
@@ -117,6 +122,7 @@ class ServerPool(Generic[StubT]):
         """A session picked on `server` ended (closed, lost, or never opened)."""
         with self._lock:
             server.sessions = max(0, server.sessions - 1)
+            self._room.notify_all()
 
     def failed(self, server: Server[StubT], *, immediate: bool = False) -> None:
         """A call to `server` failed: check its model again before the next session there;
@@ -137,6 +143,7 @@ class ServerPool(Generic[StubT]):
         with self._lock:
             server.info, server.down, server.probing = info, False, False
             server.retry_at, server.backoff_s = 0.0, BACKOFF_MIN_S
+            server.capacity = getattr(info, "max_sessions", 0)
 
     def disable(self, server: Server[StubT], reason: str) -> None:
         """Never pick `server` again (e.g. it came back serving another model)."""
@@ -150,7 +157,29 @@ class ServerPool(Generic[StubT]):
             waits = [max(0.0, s.retry_at - now) if s.down else 0.0 for s in self.servers if s.disabled is None]
             return min(waits) if waits else None
 
+    def full(self) -> bool:
+        """Every enabled server holds as many of this client's sessions as it admits."""
+        with self._lock:
+            enabled = [s for s in self.servers if s.disabled is None]
+            return bool(enabled) and all(_full(s) for s in enabled)
+
+    def wait_for_room(self, timeout_s: float) -> bool:
+        """Block until a session is given back while `full()`, or timeout_s passes; False
+        if it is still full then. (The queue in front of full servers, as vLLM's waiting queue.)"""
+        deadline = time.monotonic() + timeout_s  # real time, as Condition.wait's (not the backoff's clock)
+        with self._room:
+            while (enabled := [s for s in self.servers if s.disabled is None]) and all(map(_full, enabled)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._room.wait(left)
+            return True
+
     def live_sessions(self) -> dict[str, int]:
         """{address: live sessions of this client}, e.g. for logs and tests."""
         with self._lock:
             return {s.address: s.sessions for s in self.servers}
+
+
+def _full(server: Server) -> bool:
+    return bool(server.capacity) and server.sessions >= server.capacity

@@ -681,6 +681,14 @@ class SpeculativeClient:
             errors = self._open_session(self.verifiers, link, _VERIFIER_LOST, self._check_verifier)
             if link.session_id is not None:
                 break
+            if not errors and self.verifiers.full():
+                # Queued: every verifier holds all the sessions it admits; one frees when a
+                # generation ends. (Picking one anyway would evict an idle session to re-prefill.)
+                if not self.verifiers.wait_for_room(self.timeout_s):
+                    raise TimeoutError(f"every verifier held its maximum of sessions for {self.timeout_s:g} s "
+                                       f"({self.verifiers.live_sessions()}); raise --max-sessions or add verifiers")
+                deadline = time.monotonic() + self.recovery_timeout_s
+                continue
             error = error or (errors[0] if errors else None)
             wait = self.verifiers.wait_s()
             if wait is None:

@@ -66,7 +66,7 @@ class UpstreamConfig:
 
 def upstream_error(exc: BaseException) -> APIError:
     """What an upstream failure means to the HTTP client: the verifier unreachable (or
-    full) is 503, a request the services refused is 400, anything else 500."""
+    full past the queue's wait) is 503, a request the services refused is 400, anything else 500."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, grpc.RpcError):
@@ -80,6 +80,8 @@ def upstream_error(exc: BaseException) -> APIError:
         return APIError(500, message, type="server_error", code="upstream_error")
     if isinstance(exc, IncompatibleModels):
         return APIError(503, str(exc), type="service_unavailable", code="upstream_incompatible")
+    if isinstance(exc, TimeoutError):  # queued for a verifier session past timeout_s
+        return APIError(503, str(exc), type="service_unavailable", code="upstream_full")
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))
     return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error")

@@ -37,6 +37,7 @@ class ModelInfo:
     dtype: str
     device: str
     max_draft_tokens: int
+    max_sessions: int = 0  # sessions admitted at once; 0: not said (a server before this field)
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,7 @@ class ServingModel:
             dtype=spec.dtype + (f"+{spec.quantize}" if spec.quantize else ""),
             device=spec.device,
             max_draft_tokens=config.max_draft_tokens,
+            max_sessions=max_sessions,
         )
 
     def _configure_pool(self, config: EngineConfig, budget: int | None) -> int:

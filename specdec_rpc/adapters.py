@@ -176,6 +176,7 @@ def model_info_to_pb(info: ModelInfo) -> pb.ModelInfo:
         max_draft_tokens=info.max_draft_tokens,
         tokenizer_source=info.tokenizer_source,
         role=info.role,
+        max_sessions=info.max_sessions,
     )
 
 
@@ -191,6 +192,7 @@ def model_info_from_pb(msg: pb.ModelInfo) -> ModelInfo:
         dtype=msg.dtype,
         device=msg.device,
         max_draft_tokens=msg.max_draft_tokens,
+        max_sessions=msg.max_sessions,
     )
 
 

@@ -103,7 +103,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "eos_token_ids", "max_context", "tokenizer_fingerprint", "dtype", "device", "max_draft_tokens", "tokenizer_source", "role")
+    __slots__ = ("model", "vocab_size", "eos_token_ids", "max_context", "tokenizer_fingerprint", "dtype", "device", "max_draft_tokens", "tokenizer_source", "role", "max_sessions")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class ModelInfo(_message.Message):
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_SOURCE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -124,7 +125,8 @@ class ModelInfo(_message.Message):
     max_draft_tokens: int
     tokenizer_source: str
     role: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., tokenizer_source: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+    max_sessions: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., tokenizer_source: _Optional[str] = ..., role: _Optional[str] = ..., max_sessions: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ()

@@ -9,6 +9,7 @@ import collections
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,6 +18,7 @@ from client.pool import BACKOFF_MAX_S, BACKOFF_MIN_S, Server, ServerPool, parse_
 from client.speculative import GenerationResult, IncompatibleModels, SpeculativeClient, _check_same_target
 from specdec.sampling import SamplingParams
 from specdec.serving import ModelInfo
+from specdec_rpc import specdec_pb2 as pb
 from tests.conftest import stream_concurrently, wait_for
 
 ARGS = ["--max-draft-tokens", "8", "--log-level", "WARNING"]
@@ -72,6 +74,25 @@ def test_new_sessions_go_to_the_server_with_the_fewest_live_sessions():
         if s.address == "h2:1":
             pool.release(s)  # h2's sessions end: it is the least loaded now
     assert pool.pick().address == "h2:1"
+
+
+def test_a_server_holding_all_the_sessions_it_admits_is_not_picked_and_a_release_wakes_a_waiter():
+    pool = _pool(2)
+    for server, capacity in zip(pool.servers, (1, 2)):
+        pool.succeeded(server, SimpleNamespace(max_sessions=capacity))
+    held = [pool.pick() for _ in range(3)]
+    assert sorted(s.address for s in held) == ["h0:1", "h1:1", "h1:1"] and pool.full()
+    assert pool.pick() is None and not pool.wait_for_room(0.05)
+    waiter = threading.Thread(target=lambda: woke.append(pool.wait_for_room(30)))
+    woke: list[bool] = []
+    waiter.start()
+    time.sleep(0.1)
+    assert not woke  # still waiting
+    pool.release(held[0])
+    waiter.join(10)
+    assert woke == [True] and not pool.full() and pool.pick() is held[0]
+    pool.succeeded(pool.servers[0], SimpleNamespace(max_sessions=0))  # 0: the server does not say
+    assert pool.pick().address == "h0:1"
 
 
 def test_ties_go_to_the_server_given_the_fewest_sessions_so_one_at_a_time_use_spreads():
@@ -305,3 +326,27 @@ def test_verifier_pool_moves_a_killed_verifiers_sessions_and_outputs_do_not_chan
               f"(seeded among them: {sum(1 for i in moved if i >= len(prompts))})")
     finally:
         doomed.kill()
+
+
+@pytest.mark.slow
+def test_generations_past_a_verifiers_max_sessions_queue_instead_of_evicting_each_other():
+    """A verifier that admits 2 sessions and 5 concurrent generations: the client queues the
+    other 3 until sessions end (ModelInfo.max_sessions), as vLLM's waiting queue, instead of
+    opening them anyway, which evicts idle sessions to be re-prefilled (or, with every session
+    mid-call, fails with RESOURCE_EXHAUSTED: the gateway's 503)."""
+    small = start_service("verifier", ARGS + ["--max-sessions", "2"], threads=1)
+    try:
+        with SpeculativeClient(small.address) as client:
+            assert client.verifier_info.max_sessions == 2
+            expected = [client.generate(p, GREEDY, target_only=True).token_ids for p in PROMPTS[:5]]
+            progress: collections.Counter = collections.Counter()
+            results, threads = stream_concurrently(client, [(p, GREEDY) for p in PROMPTS[:5]], progress, gamma=0)
+            peak = 0
+            while any(t.is_alive() for t in threads):
+                peak = max(peak, sum(client.verifiers.live_sessions().values()))
+                time.sleep(0.005)
+            stats = client.verifier.GetStats(pb.StatsRequest(), timeout=10)
+        assert [getattr(r, "token_ids", r) for r in results] == expected
+        assert stats.evictions == 0 and peak == 2, (stats.evictions, peak)
+    finally:
+        small.kill()
