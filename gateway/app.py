@@ -1,12 +1,13 @@
 """The FastAPI application: OpenAI's /v1/completions, /v1/chat/completions and /v1/models,
 plus /health, /metrics and /version (as vLLM's server), over one `Upstream` (the speculative client).
 
-A request is validated (pydantic, then SamplingParams), tokenized, and queued on a worker
-thread; the handler waits for the first round's chunk before it answers, so a verifier
-that is down is a 503 rather than a 200 stream with an error in it. After that a stream
-sends one SSE event per round that produced text. Whichever way the client leaves
-(a closed stream, a dropped non-streamed request) the generation is cancelled and its
-upstream sessions are closed after the round in flight.
+A request is validated (pydantic, then SamplingParams), tokenized, and queued on worker
+threads, a generation per choice (n per prompt); the handler waits for every choice's first
+round before it answers, so a verifier that is down is a 503 rather than a 200 stream with
+an error in it. After that a stream sends one SSE event per round that produced text, the
+choices' events interleaved as they arrive. Whichever way the client leaves (a closed
+stream, a dropped non-streamed request) the generations are cancelled and their upstream
+sessions are closed after the round in flight.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ from gateway.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    MAX_CHOICES,
     ResponseBuilder,
     bad_request,
+    choice_params,
     models_list,
     sampling_params,
 )
@@ -153,39 +156,49 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
         if model not in names:
             raise APIError(404, f"The model `{model}` does not exist; this server serves {', '.join(names)}.",
                            param="model", code="model_not_found")
+        n = body.n or 1
         if chat:
-            prompt_ids = await upstream.encode(messages=body.template_messages(),
-                                               template_options=body.template_options())
+            prompts = [await upstream.encode(messages=body.template_messages(),
+                                             template_options=body.template_options())]
         else:
             # token ids are checked against the verifier's vocabulary there (SpeculativeClient.encode_prompt)
-            prompt_ids = await upstream.encode(prompt=body.single_prompt())
-        params = sampling_params(body, len(prompt_ids), client.verifier_info.max_context)
-        builder = ResponseBuilder(chat=chat, model=model, prompt_tokens=len(prompt_ids),
-                                  decode=upstream.decode_token, logprobs=params.logprobs is not None,
-                                  include_usage=bool(body.stream_options and body.stream_options.include_usage))
-        timer = metrics.timer(endpoint)
-        gen = upstream.start(prompt_ids, params)
+            prompts = [await upstream.encode(prompt=p) for p in body.prompts()]
+        if len(prompts) * n > MAX_CHOICES:
+            raise bad_request("n", f"prompts x n = {len(prompts)} x {n} is more than {MAX_CHOICES} generations "
+                                   "in one request")
+        max_context = client.verifier_info.max_context
+        # Choice i is prompt i // n's (vLLM's numbering); its timer counts the prompt's tokens once.
+        choices = [(ids, params, j == 0) for ids in prompts
+                   for j, params in enumerate(choice_params(sampling_params(body, len(ids), max_context), n))]
+        builder = ResponseBuilder(chat=chat, model=model, prompt_tokens=sum(map(len, prompts)),
+                                  decode=upstream.decode_token, logprobs=choices[0][1].logprobs is not None,
+                                  include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                                  num_choices=len(choices))
+        runs = [_Choice(upstream.start(ids, params), metrics.timer(endpoint), len(ids) if first else 0)
+                for ids, params, first in choices]
         try:
-            first = await _race(request, _next(gen, timer))
-            if first is None:
+            # Every choice's first round before the answer: a verifier that is down is a 503,
+            # not a 200 stream with an error in it.
+            firsts = await _race(request, asyncio.gather(*(_next(r.gen, r.timer) for r in runs)))
+            if any(first is None for first in firsts):
                 raise APIError(500, "the generation ended without a result", type="server_error")
             if body.stream:
                 # The background task runs once the stream ends, also when Starlette cancels it
-                # because the client left: the generation stops even before _sse is finalized.
-                return StreamingResponse(_sse(gen, first, builder, timer), media_type="text/event-stream",
+                # because the client left: the generations stop even before _sse is finalized.
+                return StreamingResponse(_sse(runs, firsts, builder), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                         background=BackgroundTask(gen.cancel))
-            result = await _race(request, _rest(gen, first, timer))
+                                         background=BackgroundTask(_cancel, runs))
+            results = await _race(request, asyncio.gather(*(_rest(r.gen, f, r.timer) for r, f in zip(runs, firsts))))
         except _ClientGone:
-            gen.cancel()
-            _finish(timer, builder, None, "abort")
+            _cancel(runs)
+            _finish(runs, builder, None, "abort")
             return Response(status_code=CLIENT_CLOSED)
         except BaseException as exc:
-            gen.cancel()
-            _finish(timer, builder, None, "abort" if isinstance(exc, asyncio.CancelledError) else "error")
+            _cancel(runs)
+            _finish(runs, builder, None, "abort" if isinstance(exc, asyncio.CancelledError) else "error")
             raise
-        _finish(timer, builder, result)
-        return JSONResponse(builder.response(result))
+        _finish(runs, builder, results)
+        return JSONResponse(builder.response(results))
 
     app.add_middleware(_FrontDoor, api_key=config.api_key, metrics=metrics)
     return app
@@ -211,6 +224,20 @@ def validation_to_api_error(exc: RequestValidationError) -> APIError:
 
 
 _TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "function-after"})
+
+
+@dataclass
+class _Choice:
+    """One choice of a request: its generation, its timer, and the prompt tokens it counts."""
+
+    gen: Generation
+    timer: RequestTimer
+    prompt_tokens: int
+
+
+def _cancel(runs: list[_Choice]) -> None:
+    for run in runs:
+        run.gen.cancel()
 
 
 async def _next(gen: Generation, timer: RequestTimer) -> StreamChunk | None:
@@ -250,27 +277,45 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _sse(gen: Generation, first: StreamChunk, builder: ResponseBuilder,
-               timer: RequestTimer) -> AsyncIterator[str]:
-    """One `data: {json}` event per body, then `data: [DONE]`. A disconnect cancels this
-    generator at its await (Starlette watches the connection), which cancels the generation."""
-    result, reason = None, "abort"
+async def _sse(runs: list[_Choice], firsts: list[StreamChunk], builder: ResponseBuilder) -> AsyncIterator[str]:
+    """One `data: {json}` event per body, then `data: [DONE]`; the choices' chunks go out in
+    the order their rounds arrive. A disconnect cancels this generator at its await
+    (Starlette watches the connection), which cancels the generations."""
+    arrived: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int) -> None:
+        run, chunk = runs[index], firsts[index]
+        try:
+            while chunk is not None:
+                arrived.put_nowait((index, chunk))
+                chunk = await _next(run.gen, run.timer) if chunk.result is None else None
+        except APIError as exc:
+            arrived.put_nowait((index, exc))
+
+    results: list[GenerationResult | None] = [None] * len(runs)
+    reason = "abort"
+    pumps = [asyncio.ensure_future(pump(i)) for i in range(len(runs))]
     try:
         for body in builder.start():
             yield _event(body)
-        chunk: StreamChunk | None = first
-        while chunk is not None:
-            for body in builder.chunks(chunk):
+        while any(r is None for r in results):
+            index, item = await arrived.get()
+            if isinstance(item, APIError):  # after the 200: the error travels in the stream, as vLLM does
+                reason = "error"
+                log.warning("stream id=%s failed: %s", builder.id, item.message)
+                yield _event(item.body())
+                break
+            for body in builder.chunks(item, index):
                 yield _event(body)
-            result = chunk.result or result
-            chunk = await _next(gen, timer) if result is None else None
-    except APIError as exc:  # after the 200: the error travels in the stream, as vLLM does
-        reason = "error"
-        log.warning("stream id=%s failed: %s", builder.id, exc.message)
-        yield _event(exc.body())
+            results[index] = item.result or results[index]
+        else:
+            for body in builder.end(results):
+                yield _event(body)
     finally:
-        gen.cancel()
-        _finish(timer, builder, result, reason)
+        for task in pumps:
+            task.cancel()
+        _cancel(runs)
+        _finish(runs, builder, results if all(r is not None for r in results) else None, reason)
     yield "data: [DONE]\n\n"
 
 
@@ -278,18 +323,23 @@ def _event(body: dict) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
-def _finish(timer: RequestTimer, builder: ResponseBuilder, result: GenerationResult | None,
+def _finish(runs: list[_Choice], builder: ResponseBuilder, results: list[GenerationResult] | None,
             reason: str | None = None) -> None:
-    timer.finish(builder.prompt_tokens, result, reason)
-    if result is None:
-        log.info("request id=%s endpoint=%s prompt_tokens=%d completion_tokens=%d finish=%s ms=%.0f", builder.id,
-                 timer.endpoint, builder.prompt_tokens, timer.tokens, reason,
-                 1000 * (time.perf_counter() - timer.start))
+    """Metrics per choice (a generation each), one log line per request."""
+    for i, run in enumerate(runs):
+        run.timer.finish(run.prompt_tokens, results[i] if results is not None else None, reason)
+    start, tokens = runs[0].timer.start, sum(run.timer.tokens for run in runs)
+    if results is None:
+        log.info("request id=%s endpoint=%s choices=%d prompt_tokens=%d completion_tokens=%d finish=%s ms=%.0f",
+                 builder.id, runs[0].timer.endpoint, len(runs), builder.prompt_tokens, tokens, reason,
+                 1000 * (time.perf_counter() - start))
     else:
-        log.info("request id=%s endpoint=%s prompt_tokens=%d completion_tokens=%d finish=%s ms=%.0f rounds=%d "
-                 "drafts=%d accepted=%d", builder.id, timer.endpoint, builder.prompt_tokens, len(result.token_ids),
-                 result.finish_reason, 1000 * (time.perf_counter() - timer.start), result.num_rounds,
-                 result.num_draft_tokens, result.num_accepted_tokens)
+        log.info("request id=%s endpoint=%s choices=%d prompt_tokens=%d completion_tokens=%d finish=%s ms=%.0f "
+                 "rounds=%d drafts=%d accepted=%d", builder.id, runs[0].timer.endpoint, len(runs),
+                 builder.prompt_tokens, sum(len(r.token_ids) for r in results),
+                 ",".join(r.finish_reason for r in results), 1000 * (time.perf_counter() - start),
+                 sum(r.num_rounds for r in results), sum(r.num_draft_tokens for r in results),
+                 sum(r.num_accepted_tokens for r in results))
 
 
 class _FrontDoor:

@@ -4,8 +4,9 @@ stream-chunk bodies built from the client's StreamChunk / GenerationResult.
 Request fields map onto SamplingParams by the same names (vLLM's), so `SamplingParams`
 stays the one place that validates them: its InvalidArgument names the field, which
 becomes the error's `param`. Chat requests also take vLLM's chat-template extras
-(add_generation_prompt, continue_final_message, chat_template_kwargs). What OpenAI
-defines and this server does not do (n > 1, best_of, echo, suffix, logit_bias, tools,
+(add_generation_prompt, continue_final_message, chat_template_kwargs), and a completion
+several prompts, each sampled `n` times (one generation per choice, as vLLM). What OpenAI
+defines and this server does not do (best_of > n, echo, suffix, logit_bias, tools,
 structured output, beam search, ...) is refused with 400 naming the field, never silently
 ignored. A field no API defines is ignored and logged, as vLLM does.
 """
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+MAX_CHOICES = 64  # generations one request may start (prompts x n): each holds a worker and a session
 
 
 class APIError(Exception):
@@ -107,8 +109,8 @@ class _Sampling(BaseModel):
             log.info("request fields ignored: %s", ", ".join(sorted(extra)))
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             raise bad_request("stream_options", "continuous_usage_stats is not supported; include_usage is")
-        if self.n not in (None, 1):
-            raise bad_request("n", f"only n=1 is supported, got {self.n}")
+        if self.n is not None and self.n < 1:
+            raise bad_request("n", f"n must be >= 1, got {self.n}")
         if self.logit_bias:
             raise bad_request("logit_bias", "logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
@@ -128,19 +130,17 @@ class CompletionRequest(_Sampling):
             raise bad_request("echo", "echo is not supported")
         if self.suffix:
             raise bad_request("suffix", "suffix is not supported")
-        if self.best_of not in (None, 1):
-            raise bad_request("best_of", f"only best_of=1 is supported, got {self.best_of}")
+        if self.best_of not in (None, 1, self.n or 1):  # best_of > n would rank choices by logprob: not done
+            raise bad_request("best_of", f"best_of must equal n ({self.n or 1}), got {self.best_of}")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt: a string or token ids (a list of one of them is accepted)."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one string or token-id list, or a list of either (a batch)."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise bad_request("prompt", f"one prompt per request is supported, got {len(prompt)}")
-            prompt = prompt[0]
-        if not prompt:
-            raise bad_request("prompt", "the prompt is empty")
-        return prompt
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        for i, p in enumerate(batch):
+            if not p:
+                raise bad_request("prompt", "the prompt is empty" if len(batch) == 1 else f"prompt[{i}] is empty")
+        return batch
 
 
 class ContentPart(BaseModel):
@@ -283,74 +283,108 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_token
 # ---- responses ------------------------------------------------------------------------------
 
 
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """One prompt's n choices: a seeded request's choice j draws with seed + j, so the choices
+    differ from each other and each reproduces (choice 0 is the same request with n=1)."""
+    if params.seed is None:
+        return [params] * n
+    return [params.replace(seed=(params.seed + j) % 2**64) for j in range(n)]
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def speculative(result: GenerationResult) -> dict:
-    """The speculative counters of one generation (an extra field; `usage` stays OpenAI's)."""
-    return {"num_rounds": result.num_rounds, "num_draft_tokens": result.num_draft_tokens,
-            "num_accepted_tokens": result.num_accepted_tokens, "acceptance_rate": result.acceptance_rate,
-            "draft_time_s": result.draft_time_s, "verify_time_s": result.verify_time_s}
+def speculative(*results: GenerationResult) -> dict:
+    """The speculative counters of one generation, or summed over a request's choices (an
+    extra field; `usage` stays OpenAI's)."""
+    if len(results) == 1:
+        r = results[0]
+        return {"num_rounds": r.num_rounds, "num_draft_tokens": r.num_draft_tokens,
+                "num_accepted_tokens": r.num_accepted_tokens, "acceptance_rate": r.acceptance_rate,
+                "draft_time_s": r.draft_time_s, "verify_time_s": r.verify_time_s}
+    drafts, accepted = sum(r.num_draft_tokens for r in results), sum(r.num_accepted_tokens for r in results)
+    return {"num_rounds": sum(r.num_rounds for r in results), "num_draft_tokens": drafts,
+            "num_accepted_tokens": accepted, "acceptance_rate": accepted / drafts if drafts else 0.0,
+            "draft_time_s": sum(r.draft_time_s for r in results),
+            "verify_time_s": sum(r.verify_time_s for r in results)}
 
 
 @dataclass
 class ResponseBuilder:
     """Builds one request's bodies: the non-streamed response, or its SSE chunks in order.
 
-    Stream order (as OpenAI): [chat: a role chunk] · a chunk per round that produced text ·
-    a chunk with finish_reason (and the speculative counters) · [include_usage: a chunk with
-    empty choices and usage; every chunk before it carries "usage": null]."""
+    A request has `num_choices` choices (n per prompt, prompts in order: choice i is prompt
+    i // n's, as vLLM numbers them). Stream order (as OpenAI): [chat: a role chunk per
+    choice] · per choice, a chunk per round that produced text, then one with finish_reason
+    (and that choice's speculative counters), choices interleaved as their rounds arrive ·
+    [include_usage: after every choice finished, a chunk with empty choices and usage; every
+    chunk before it carries "usage": null]."""
 
     chat: bool
     model: str
-    prompt_tokens: int
+    prompt_tokens: int  # of all the request's prompts, each counted once (not per choice)
     decode: Any  # token id -> its text
     include_usage: bool = False
     logprobs: bool = False
+    num_choices: int = 1
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
-    _offset: int = 0  # text_offset of the next completion logprob
+    _offsets: dict[int, int] = field(default_factory=dict)  # per choice: text_offset of its next logprob
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
 
-    def response(self, result: GenerationResult) -> dict:
-        lp = self._logprobs(result.logprobs) if self.logprobs else None
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text, "refusal": None},
-                      "logprobs": lp, "finish_reason": result.finish_reason}
-        else:
-            choice = {"index": 0, "text": result.text, "logprobs": lp, "finish_reason": result.finish_reason}
+    def response(self, results: list[GenerationResult]) -> dict:
+        """The non-streamed body: one choice per result, in choice order."""
+        choices = []
+        for index, result in enumerate(results):
+            lp = self._logprobs(result.logprobs, index) if self.logprobs else None
+            if self.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": result.text,
+                                                            "refusal": None},
+                                "logprobs": lp, "finish_reason": result.finish_reason})
+            else:
+                choices.append({"index": index, "text": result.text, "logprobs": lp,
+                                "finish_reason": result.finish_reason})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "system_fingerprint": None, "choices": [choice],
-                "usage": usage(self.prompt_tokens, len(result.token_ids)), "speculative": speculative(result)}
+                "created": self.created, "model": self.model, "system_fingerprint": None, "choices": choices,
+                "usage": self._usage(results), "speculative": speculative(*results)}
 
     def start(self) -> list[dict]:
-        return [self._chunk({"role": "assistant", "content": ""}, None)] if self.chat else []
+        if not self.chat:
+            return []
+        return [self._chunk({"role": "assistant", "content": ""}, None, index=i) for i in range(self.num_choices)]
 
-    def chunks(self, chunk: StreamChunk) -> list[dict]:
-        """The SSE bodies for one round's chunk (none for a round whose text is held back).
+    def chunks(self, chunk: StreamChunk, index: int = 0) -> list[dict]:
+        """The SSE bodies for one round's chunk of choice `index` (none for a round whose text
+        is held back).
 
         The text is the client's as it settled it (client/output.py): a tail that could begin a
         stop string, or an incomplete UTF-8 sequence, is held back there until a later round
         settles it, so the chunks concatenate to the non-streamed text."""
         out = []
         result, text = chunk.result, chunk.text
-        lp = self._logprobs(chunk.logprobs) if self.logprobs and chunk.logprobs else None
+        lp = self._logprobs(chunk.logprobs, index) if self.logprobs and chunk.logprobs else None
         if text or lp:
-            out.append(self._chunk({"content": text} if self.chat else text, None, lp))
+            out.append(self._chunk({"content": text} if self.chat else text, None, lp, index))
         if result is not None:
-            last = self._chunk({} if self.chat else "", result.finish_reason)
+            last = self._chunk({} if self.chat else "", result.finish_reason, index=index)
             last["speculative"] = speculative(result)
             out.append(last)
-            if self.include_usage:
-                out.append(self._envelope([], usage(self.prompt_tokens, len(result.token_ids))))
         return out
 
-    def _chunk(self, delta: dict | str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-        choice = {"index": 0, "delta" if self.chat else "text": delta, "logprobs": logprobs,
+    def end(self, results: list[GenerationResult]) -> list[dict]:
+        """The bodies after every choice finished: the usage chunk, if asked for."""
+        return [self._envelope([], self._usage(results))] if self.include_usage else []
+
+    def _usage(self, results: list[GenerationResult]) -> dict:
+        return usage(self.prompt_tokens, sum(len(r.token_ids) for r in results))
+
+    def _chunk(self, delta: dict | str, finish_reason: str | None, logprobs: dict | None = None,
+               index: int = 0) -> dict:
+        choice = {"index": index, "delta" if self.chat else "text": delta, "logprobs": logprobs,
                   "finish_reason": finish_reason}
         return self._envelope([choice], None)
 
@@ -361,7 +395,7 @@ class ResponseBuilder:
             body["usage"] = usage_
         return body
 
-    def _logprobs(self, entries: list[dict] | None) -> dict | None:
+    def _logprobs(self, entries: list[dict] | None, index: int) -> dict | None:
         """The client's per-token entries ({token_id, logprob, rank, top_logprobs: {id: lp}})
         in the endpoint's shape: chat's `content` list, or completions' parallel lists."""
         if entries is None:
@@ -375,10 +409,11 @@ class ResponseBuilder:
                                  "top_logprobs": [item(t, v) for t, v in e["top_logprobs"].items()]}
                                 for e in entries], "refusal": None}
         tokens = [self.decode(e["token_id"]) for e in entries]
-        offsets = []
+        offsets, offset = [], self._offsets.get(index, 0)
         for text in tokens:
-            offsets.append(self._offset)
-            self._offset += len(text)
+            offsets.append(offset)
+            offset += len(text)
+        self._offsets[index] = offset
         return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
                 # As vLLM: the sampled token leads each top_logprobs dict (logprobs=0 gives just it).
                 "top_logprobs": [{self.decode(e["token_id"]): e["logprob"],

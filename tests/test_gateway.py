@@ -5,6 +5,7 @@ send what is tested: malformed JSON, a missing key)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import importlib.metadata
 import json
 import statistics
@@ -151,6 +152,54 @@ def test_seed_reproduces_a_sampled_completion(oai, model):
 
 
 @pytest.mark.slow
+def test_a_batch_of_prompts_sampled_n_times_equals_one_request_per_choice(oai, model):
+    """Choice i is prompt i // n's (vLLM's numbering); a seeded choice j draws with seed + j, so
+    each choice equals the single request with that seed, and the choices of a prompt differ."""
+    prompts = ["Once upon a time", "The ocean is", "def main():"]
+    common = {"model": model, "max_tokens": 8, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+    reply = oai.completions.create(prompt=prompts, n=2, seed=40, **common)
+    assert [c.index for c in reply.choices] == list(range(6))
+    alone = [oai.completions.create(prompt=p, seed=40 + j, **common) for p in prompts for j in range(2)]
+    assert [c.text for c in reply.choices] == [a.choices[0].text for a in alone]
+    assert reply.choices[0].text != reply.choices[1].text
+    assert reply.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone[::2])  # each prompt once
+    assert reply.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone) == 48
+
+    streamed = oai.completions.create(prompt=prompts, n=2, seed=40, stream=True,
+                                      stream_options={"include_usage": True}, **common)
+    texts, finished, usage_chunks = collections.defaultdict(str), {}, []
+    for chunk in streamed:
+        if not chunk.choices:
+            usage_chunks.append(chunk.usage)
+            continue
+        (choice,) = chunk.choices
+        assert choice.index not in finished  # nothing after a choice's finish chunk
+        texts[choice.index] += choice.text
+        if choice.finish_reason is not None:
+            finished[choice.index] = choice.finish_reason
+    assert [texts[i] for i in range(6)] == [c.text for c in reply.choices] and len(finished) == 6
+    assert len(usage_chunks) == 1 and usage_chunks[0].completion_tokens == 48  # once, after every choice
+    as_ids = oai.completions.create(prompt=[[1, 504, 2988], [42, 7]], temperature=0, max_tokens=4, model=model)
+    assert [c.text for c in as_ids.choices] == [oai.completions.create(prompt=p, temperature=0, max_tokens=4,
+                                                                       model=model).choices[0].text
+                                                for p in ([1, 504, 2988], [42, 7])]
+
+
+@pytest.mark.slow
+def test_chat_n_streams_a_role_chunk_and_the_text_of_each_choice(oai, model):
+    messages = [{"role": "user", "content": PROMPT}]
+    reply = oai.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, n=3)
+    assert len({c.message.content for c in reply.choices}) == 1  # greedy: every choice the same
+    roles, texts = collections.Counter(), collections.defaultdict(str)
+    for chunk in oai.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, n=3,
+                                             stream=True):
+        for choice in chunk.choices:
+            roles[choice.index] += choice.delta.role == "assistant"
+            texts[choice.index] += choice.delta.content or ""
+    assert roles == {0: 1, 1: 1, 2: 1} and all(t == reply.choices[0].message.content for t in texts.values())
+
+
+@pytest.mark.slow
 def test_logprobs_are_returned_per_token_in_the_chat_shape(oai, model):
     reply = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}], max_tokens=6,
                                         temperature=0, logprobs=True, top_logprobs=2)
@@ -217,7 +266,8 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
     if case == "missing key":
         return httpx.post(f"{base_url}/v1/chat/completions", json={"model": model, "messages": messages})
     client = oai if case != "wrong key" else openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0)
-    kwargs = {"unknown model": {"model": "no-such-model"}, "n=2": {"n": 2}, "temperature=-1": {"temperature": -1},
+    kwargs = {"unknown model": {"model": "no-such-model"}, "n=0": {"n": 0}, "n past 64 choices": {"n": 65},
+              "temperature=-1": {"temperature": -1},
               "max_tokens past the context": {"max_tokens": 4096}, "wrong key": {},
               # vLLM's chat-template extras: add_generation_prompt defaults to true
               "continue_final_message with a generation prompt": {"extra_body": {"continue_final_message": True}},
@@ -239,7 +289,8 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
 @pytest.mark.slow
 @pytest.mark.parametrize("case,status,param,code", [
     ("unknown model", 404, "model", "model_not_found"),
-    ("n=2", 400, "n", None),
+    ("n=0", 400, "n", None),
+    ("n past 64 choices", 400, "n", None),
     ("temperature=-1", 400, "temperature", None),
     ("max_tokens past the context", 400, "max_tokens", "context_length_exceeded"),
     ("malformed JSON", 400, None, "invalid_json"),
@@ -303,7 +354,7 @@ def test_a_taken_port_and_unusable_tls_files_are_one_line_errors(tmp_path):
     (tmp_path / "bad.pem").write_text("not a certificate")
     for cert in (tmp_path / "missing.pem", tmp_path / "bad.pem"):
         bad = gateway("--port", "0", "--ssl-certfile", str(cert), "--ssl-keyfile", str(cert))
-        assert bad.returncode == 1 and f"--ssl-certfile '{cert}'" in bad.stderr, bad.stderr[-2000:]
+        assert bad.returncode == 2 and f"--ssl-certfile '{cert}'" in bad.stderr, bad.stderr[-2000:]  # a usage error
     for run in (taken, bad):
         assert "Traceback" not in run.stderr
 
