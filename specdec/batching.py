@@ -11,6 +11,14 @@ alternating half batches. The wait ends as soon as the batch holds every running
 cost every step the whole 10 ms (`bench verifier`, tiny model, concurrency 8: p50 round
 19.8 ms against a 5.9 ms step).
 
+Items that came as one client's step (a VerifyBatch call or VerifyStream message: `gathered`)
+never wait: that client already gathered what it had, and the rest of its sessions come in
+its next message, after its own turnaround of the rows just answered. Holding the engine for
+them serialised that turnaround with the step; without the wait the engine runs the rows it
+has while the client turns the others around (`bench serve` target-only through the client,
+tiny model, concurrency 64: 1.2x the tokens/s of the 10 ms wait; unary calls, which arrive
+one by one, still gain from it: 952 against 658 rounds/s at concurrency 8).
+
 Chunked prefill: `run_batch` may return items it has not finished (a long prompt that took
 one chunk of the step's token budget); they open the next batch, ahead of the queue, so a
 prefill advances one bounded step at a time between the decode steps of everyone else.
@@ -52,6 +60,7 @@ class WorkItem:
 
     payload: Any
     future: Future = field(default_factory=Future)
+    gathered: bool = False  # part of a client's step message: no batching wait for it (module doc)
 
 
 @dataclass
@@ -88,10 +97,10 @@ class BatchScheduler:
         """Queue one item and block until its batch ran; exceptions propagate to the caller."""
         return self.submit_many([payload])[0].result()
 
-    def submit_many(self, payloads: list[Any]) -> list[Future]:
+    def submit_many(self, payloads: list[Any], gathered: bool = False) -> list[Future]:
         """Queue several items at once (one client step of many sessions); they can share a
-        batch. The caller waits on the returned futures."""
-        items = [WorkItem(p) for p in payloads]
+        batch. The caller waits on the returned futures. gathered: a client's step message."""
+        items = [WorkItem(p, gathered=gathered) for p in payloads]
         for item in items:
             self._queue.put(item)
         return [item.future for item in items]
@@ -108,7 +117,8 @@ class BatchScheduler:
         """`carried` (unfinished items of the last batch) first; then, with carried work, only
         what is queued already: a chunked prefill never waits for company."""
         batch = [*carried, first] if first is not None else list(carried)
-        wait_ms = self.policy.max_wait_ms if self._last_batch_size > 1 and not carried else 0.0
+        wait = self._last_batch_size > 1 and not carried and not (first is not None and first.gathered)
+        wait_ms = self.policy.max_wait_ms if wait else 0.0
         deadline = time.monotonic() + wait_ms / 1000
         full = self.policy.max_batch_size
         if wait_ms and self._expected is not None:

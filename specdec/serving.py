@@ -332,7 +332,7 @@ class ServingModel:
     def queue_many(self, payloads: list) -> list[Future]:
         """The first half of `submit_many`: queue, never wait (`collect` waits)."""
         self.running.touch([p.session.session_id for p in payloads if getattr(p, "session", None)], time.monotonic())
-        return self.scheduler.submit_many(payloads)
+        return self.scheduler.submit_many(payloads, gathered=True)
 
     def collect(self, futures: list[Future]) -> list[object]:
         """Per future of `queue_many`, its result or the exception it raised (counted)."""

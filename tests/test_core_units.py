@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import threading
+import time
 
 import pytest
 import torch
@@ -229,3 +231,45 @@ def test_batched_counter_draws_equal_per_row_draws_and_are_uniform():
     assert stats.chisquare(counts).pvalue > 0.001
     biased = torch.histc((u.flatten() * 0.95).float(), bins=20, min=0, max=1).numpy()
     assert stats.chisquare(biased).pvalue < 0.001
+
+
+def test_the_engine_waits_for_unary_stragglers_but_not_for_a_clients_step_message():
+    """After a batch of several, a lone unary call waits (max_wait_ms) for the other running
+    sessions' calls to share its step; a row of a client's step message (VerifyBatch /
+    VerifyStream: `gathered`) runs at once, since that client sends its other rows later."""
+    from specdec.batching import BatchPolicy, BatchScheduler
+
+    batches: list[list[str]] = []
+    gate = threading.Event()
+
+    def run_batch(items):
+        batches.append([it.payload for it in items])
+        if items[0].payload == "gate":
+            gate.wait(10)
+        for it in items:
+            it.future.set_result(it.payload)
+
+    sched = BatchScheduler(run_batch, BatchPolicy(max_batch_size=8, max_wait_ms=1000), expected=lambda: 8)
+    try:
+        def step(first: str, second: str, gathered: bool) -> None:
+            gate.clear()
+            held = sched.submit_many(["gate"], gathered=True)
+            while ["gate"] not in batches[-1:]:
+                time.sleep(0.01)
+            # Queued together behind the gate: one batch of 2, after which the wait applies.
+            for f in held + sched.submit_many(["warm-1", "warm-2"], gathered=True):
+                gate.set()
+                f.result(10)
+            assert batches[-1] == ["warm-1", "warm-2"]
+            futures = sched.submit_many([first], gathered=gathered)
+            time.sleep(0.2)  # well inside the 1 s wait
+            futures += sched.submit_many([second], gathered=gathered)
+            for f in futures:
+                f.result(10)
+
+        step("unary-a", "unary-b", gathered=False)
+        step("step-a", "step-b", gathered=True)
+    finally:
+        sched.shutdown()
+    assert ["unary-a", "unary-b"] in batches  # the lone call waited for the next one
+    assert ["step-a"] in batches and ["step-b"] in batches  # the message's row went at once
