@@ -12,12 +12,15 @@ cost every step the whole 10 ms (`bench verifier`, tiny model, concurrency 8: p5
 19.8 ms against a 5.9 ms step).
 
 Items that came as one client's step (a VerifyBatch call or VerifyStream message: `gathered`)
-never wait: that client already gathered what it had, and the rest of its sessions come in
-its next message, after its own turnaround of the rows just answered. Holding the engine for
-them serialised that turnaround with the step; without the wait the engine runs the rows it
-has while the client turns the others around (`bench serve` target-only through the client,
-tiny model, concurrency 64: 1.2x the tokens/s of the 10 ms wait; unary calls, which arrive
-one by one, still gain from it: 952 against 658 rounds/s at concurrency 8).
+wait at most a tenth of the last step: that client already gathered what it had, and the rest
+of its sessions come in its next message, after its own turnaround of the rows just answered.
+Holding the engine the full 10 ms for them serialised that turnaround with a short step
+(`bench serve` target-only through the client, tiny model, 18 ms steps of 64 rows, round
+35 ms); not waiting at all split the rounds of the embedded pair, whose 40-55 ms steps dwarf
+the client's turnaround, into alternating partial batches (concurrency 8: 111 against 136
+tok/s). A tenth of the step: tiny 1.1x / 1.2x the tokens/s of the 10 ms wait at concurrency
+32 / 64, the embedded pair as before. Unary calls, which arrive one by one, keep the full
+wait (without it, 658 against 952 rounds/s at concurrency 8).
 
 Chunked prefill: `run_batch` may return items it has not finished (a long prompt that took
 one chunk of the step's token budget); they open the next batch, ahead of the queue, so a
@@ -40,6 +43,9 @@ from typing import Any, Callable
 import torch
 
 log = logging.getLogger(__name__)
+
+
+GATHERED_WAIT_SHARE = 0.1  # a step message's rows wait for the rest at most this share of a step (module doc)
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,7 @@ class BatchScheduler:
         self._threads = threads
         self._queue: queue.Queue[WorkItem | None] = queue.Queue()
         self._last_batch_size = 0
+        self._last_step_s = 0.0  # how long the last batch ran
         self._thread = threading.Thread(target=self._loop, name=f"{name}-engine", daemon=True)
         self._thread.start()
 
@@ -117,8 +124,9 @@ class BatchScheduler:
         """`carried` (unfinished items of the last batch) first; then, with carried work, only
         what is queued already: a chunked prefill never waits for company."""
         batch = [*carried, first] if first is not None else list(carried)
-        wait = self._last_batch_size > 1 and not carried and not (first is not None and first.gathered)
-        wait_ms = self.policy.max_wait_ms if wait else 0.0
+        wait_ms = self.policy.max_wait_ms if self._last_batch_size > 1 and not carried else 0.0
+        if first is not None and first.gathered:  # a client's step: its other rows come after its turnaround
+            wait_ms = min(wait_ms, GATHERED_WAIT_SHARE * 1000 * self._last_step_s)
         deadline = time.monotonic() + wait_ms / 1000
         full = self.policy.max_batch_size
         if wait_ms and self._expected is not None:
@@ -177,7 +185,9 @@ class BatchScheduler:
             self._last_batch_size = len(batch)
             self.stats.sizes[len(batch)] = self.stats.sizes.get(len(batch), 0) + 1
             try:
+                started = time.monotonic()
                 carried = [it for it in (self._run_batch(batch) or []) if not it.future.done()]
+                self._last_step_s = time.monotonic() - started
             except BaseException as exc:  # noqa: BLE001 - the whole batch failed: tell every caller
                 log.exception("batch of %d failed", len(batch))
                 carried = []

@@ -236,7 +236,8 @@ def test_batched_counter_draws_equal_per_row_draws_and_are_uniform():
 def test_the_engine_waits_for_unary_stragglers_but_not_for_a_clients_step_message():
     """After a batch of several, a lone unary call waits (max_wait_ms) for the other running
     sessions' calls to share its step; a row of a client's step message (VerifyBatch /
-    VerifyStream: `gathered`) runs at once, since that client sends its other rows later."""
+    VerifyStream: `gathered`) waits at most a tenth of the last step (here ~0: the steps are
+    instant), since that client sends its other rows after its turnaround."""
     from specdec.batching import BatchPolicy, BatchScheduler
 
     batches: list[list[str]] = []
