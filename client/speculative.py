@@ -719,7 +719,18 @@ class SpeculativeClient:
                 if info is None:
                     info = model_info_from_pb(server.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=short))
                     check(info)
-                session_id = server.stub.OpenSession(pb.OpenSessionRequest(), timeout=short).session_id
+                opened = server.stub.OpenSession(pb.OpenSessionRequest(), timeout=short)
+                if opened.instance_id and info.instance_id and opened.instance_id != info.instance_id:
+                    # Restarted since its model was checked, between this client's calls (a redeploy,
+                    # perhaps of another model): check what it serves now before using the session.
+                    fresh = model_info_from_pb(server.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=short))
+                    try:
+                        check(fresh)
+                    except IncompatibleModels:
+                        self._close_quietly(server.stub, opened.session_id)
+                        raise
+                    info = fresh
+                session_id = opened.session_id
             except grpc.RpcError as exc:
                 pool.release(server)
                 if exc.code() not in lost:

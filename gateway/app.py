@@ -81,6 +81,7 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
             yield
         finally:
             connecting.cancel()
+            upstream.stop_connecting()
             await asyncio.to_thread(upstream.close)
 
     app = FastAPI(title="specdec OpenAI-compatible gateway", lifespan=lifespan, docs_url=None, redoc_url=None)

@@ -95,6 +95,7 @@ class Generation:
     """One request's generation on a worker thread; its chunks arrive through `next()`."""
 
     loop: asyncio.AbstractEventLoop
+    on_stale: Callable[[IncompatibleModels], None] | None = None  # every verifier serves another model now
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     _stop: threading.Event = field(default_factory=threading.Event)
 
@@ -123,6 +124,8 @@ class Generation:
             self._queue.put_nowait(_END)  # later calls see the end too
             return None
         if isinstance(item, BaseException):
+            if isinstance(item, IncompatibleModels) and self.on_stale is not None:
+                self.on_stale(item)
             raise upstream_error(item)
         return item
 
@@ -153,6 +156,7 @@ class Upstream:
         self._ready = asyncio.Event()  # set once `client` is
         self._waiter_arrived = asyncio.Event()  # cuts the connection loop's backoff short
         self._waiting = 0  # requests in wait_ready now
+        self._reconnect: asyncio.Future | None = None  # connect_forever after a redeploy (_stale)
 
     # ---- connection ---------------------------------------------------------------------------
 
@@ -270,7 +274,7 @@ class Upstream:
     def start(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         """Queue a generation on the worker pool; read it with `next()`, `cancel()` when done."""
         client = self.require()
-        gen = Generation(asyncio.get_running_loop())
+        gen = Generation(asyncio.get_running_loop(), on_stale=lambda exc: self._stale(client, exc))
         self._generations.add(gen)
         # A seeded request reproduces under "auto" too: the client derives its γ schedule from its
         # own rounds only (specdec/adaptive.py, AdaptiveGamma.deterministic).
@@ -281,6 +285,23 @@ class Upstream:
 
     def running(self) -> int:
         return len(self._generations)
+
+    def stop_connecting(self) -> None:
+        """On the event loop, at shutdown: no reconnection after a redeploy from here."""
+        if self._reconnect is not None:
+            self._reconnect.cancel()
+
+    def _stale(self, client: SpeculativeClient, exc: IncompatibleModels) -> None:
+        """Every verifier of `client`'s pool came back serving another model (a redeploy): build
+        a new client for what they serve now, so the gateway follows the redeploy (/v1/models
+        included) instead of answering 503 until it is restarted. On the event loop."""
+        if self.client is not client:
+            return  # another generation saw it first
+        log.warning("every verifier serves another model now (%s); reconnecting", exc)
+        self.client, self.last_error = None, f"reconnecting: {exc}"
+        self._ready.clear()
+        self._reconnect = asyncio.ensure_future(self.connect_forever())  # held: a task only weakly referenced may vanish
+        self._executor.submit(client.close)  # its generations are failing anyway; frees its channels
 
     def close(self) -> None:
         """Stop every generation after its round (closing its sessions), then the channels."""

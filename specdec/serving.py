@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+import secrets
 import threading
 import time
 from concurrent.futures import Future
@@ -38,6 +39,7 @@ class ModelInfo:
     device: str
     max_draft_tokens: int
     max_sessions: int = 0  # sessions admitted at once; 0: not said (a server before this field)
+    instance_id: str = ""  # random per server process; "": not said
 
 
 @dataclass(frozen=True)
@@ -235,6 +237,7 @@ class ServingModel:
             device=spec.device,
             max_draft_tokens=config.max_draft_tokens,
             max_sessions=max_sessions,
+            instance_id=secrets.token_hex(8),
         )
 
     def _configure_pool(self, config: EngineConfig, budget: int | None) -> int:

@@ -177,6 +177,7 @@ def model_info_to_pb(info: ModelInfo) -> pb.ModelInfo:
         tokenizer_source=info.tokenizer_source,
         role=info.role,
         max_sessions=info.max_sessions,
+        instance_id=info.instance_id,
     )
 
 
@@ -193,6 +194,7 @@ def model_info_from_pb(msg: pb.ModelInfo) -> ModelInfo:
         device=msg.device,
         max_draft_tokens=msg.max_draft_tokens,
         max_sessions=msg.max_sessions,
+        instance_id=msg.instance_id,
     )
 
 
@@ -214,7 +216,8 @@ class SessionMethods:
 
     @rpc_method
     def OpenSession(self, request, context):
-        return pb.OpenSessionResponse(session_id=self.engine.open_session(owner=caller_owner(context)))
+        return pb.OpenSessionResponse(session_id=self.engine.open_session(owner=caller_owner(context)),
+                                      instance_id=self.engine.info.instance_id)
 
     @rpc_method
     def CloseSession(self, request, context):

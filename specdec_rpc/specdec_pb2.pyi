@@ -103,7 +103,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "eos_token_ids", "max_context", "tokenizer_fingerprint", "dtype", "device", "max_draft_tokens", "tokenizer_source", "role", "max_sessions")
+    __slots__ = ("model", "vocab_size", "eos_token_ids", "max_context", "tokenizer_fingerprint", "dtype", "device", "max_draft_tokens", "tokenizer_source", "role", "max_sessions", "instance_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class ModelInfo(_message.Message):
     TOKENIZER_SOURCE_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -126,17 +127,20 @@ class ModelInfo(_message.Message):
     tokenizer_source: str
     role: str
     max_sessions: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., tokenizer_source: _Optional[str] = ..., role: _Optional[str] = ..., max_sessions: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., tokenizer_source: _Optional[str] = ..., role: _Optional[str] = ..., max_sessions: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "instance_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, session_id: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)

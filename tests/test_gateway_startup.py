@@ -103,3 +103,46 @@ def test_health_answers_at_once_while_connecting_and_models_waits_like_a_complet
     models = httpx.get(f"{url}/v1/models", timeout=10)
     assert models.status_code == 503 and f"waited {SHORT_WAIT_S:g} s" in models.json()["error"]["message"]
     assert SHORT_WAIT_S - 0.5 <= time.monotonic() - start < SHORT_WAIT_S + 3.0
+
+
+@pytest.mark.slow
+def test_after_a_redeploy_with_another_model_the_gateway_serves_the_new_one(tmp_path):
+    """The verifier is replaced, on the same address, by one serving another model: the next
+    request fails (503 upstream_incompatible: its session cannot move to another target), and
+    the gateway reconnects for what is served now, /v1/models included, without a restart."""
+    import subprocess
+    import sys
+
+    models = {}
+    for name in ("old", "new"):
+        models[name] = str(tmp_path / name)
+        subprocess.run([sys.executable, "-m", "cli", "random-model", "--preset", "tiny", "--out", models[name]],
+                       check=True, capture_output=True, timeout=300)
+    port = _free_port()
+    args = ["--log-level", "WARNING"]
+    with ExitStack() as stack:
+        verifier = stack.enter_context(start_service("verifier", args + ["--model", models["old"]], port=port,
+                                                     threads=SERVICE_THREADS))
+        gw = stack.enter_context(start_service("gateway", ["--verifier", f"127.0.0.1:{port}",
+                                                           "--recovery-timeout-s", "5", "--log-level", "WARNING"]))
+        with _openai(gw, 60) as oai:
+            assert oai.models.list().data[0].root.startswith(models["old"])
+            oai.completions.create(model="", prompt="Hello", max_tokens=2)
+            verifier.kill()
+            stack.enter_context(start_service("verifier", args + ["--model", models["new"]], port=port,
+                                              threads=SERVICE_THREADS))
+            with pytest.raises(openai.APIStatusError) as first:
+                oai.completions.create(model="", prompt="Hello", max_tokens=2)
+            assert first.value.status_code == 503, first.value
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # the reconnection runs in the background
+                try:
+                    roots = [m.root for m in oai.models.list().data]
+                except openai.APIStatusError:
+                    roots = []
+                if roots and roots[0].startswith(models["new"]):
+                    break
+                time.sleep(0.2)
+            assert roots and roots[0].startswith(models["new"]), (roots, gw.output[-20:])
+            reply = oai.completions.create(model="", prompt="Hello", max_tokens=2)
+            assert reply.usage.completion_tokens == 2 and reply.model.startswith(models["new"])
