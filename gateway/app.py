@@ -175,9 +175,10 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
                                   decode=upstream.decode_token, logprobs=choices[0][1].logprobs is not None,
                                   include_usage=bool(body.stream_options and body.stream_options.include_usage),
                                   num_choices=len(choices))
-        runs = [_Choice(upstream.start(ids, params), metrics.timer(endpoint), len(ids) if first else 0)
-                for ids, params, first in choices]
+        runs: list[_Choice] = []
         try:
+            for ids, params, first in choices:  # inside the try: a later start's failure cancels the earlier ones
+                runs.append(_Choice(upstream.start(ids, params), metrics.timer(endpoint), len(ids) if first else 0))
             # Every choice's first round before the answer: a verifier that is down is a 503,
             # not a 200 stream with an error in it.
             firsts = await _race(request, asyncio.gather(*(_next(r.gen, r.timer) for r in runs)))
@@ -196,7 +197,8 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
             return Response(status_code=CLIENT_CLOSED)
         except BaseException as exc:
             _cancel(runs)
-            _finish(runs, builder, None, "abort" if isinstance(exc, asyncio.CancelledError) else "error")
+            if runs:
+                _finish(runs, builder, None, "abort" if isinstance(exc, asyncio.CancelledError) else "error")
             raise
         _finish(runs, builder, results)
         return JSONResponse(builder.response(results))
