@@ -160,20 +160,23 @@ class ServerPool(Generic[StubT]):
     def full(self) -> bool:
         """Every enabled server holds as many of this client's sessions as it admits."""
         with self._lock:
-            enabled = [s for s in self.servers if s.disabled is None]
-            return bool(enabled) and all(_full(s) for s in enabled)
+            return self._all_full()
 
     def wait_for_room(self, timeout_s: float) -> bool:
         """Block until a session is given back while `full()`, or timeout_s passes; False
         if it is still full then. (The queue in front of full servers, as vLLM's waiting queue.)"""
         deadline = time.monotonic() + timeout_s  # real time, as Condition.wait's (not the backoff's clock)
         with self._room:
-            while (enabled := [s for s in self.servers if s.disabled is None]) and all(map(_full, enabled)):
+            while self._all_full():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._room.wait(left)
             return True
+
+    def _all_full(self) -> bool:  # under the lock
+        enabled = [s for s in self.servers if s.disabled is None]
+        return bool(enabled) and all(map(_full, enabled))
 
     def live_sessions(self) -> dict[str, int]:
         """{address: live sessions of this client}, e.g. for logs and tests."""

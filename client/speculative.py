@@ -289,11 +289,14 @@ class SpeculativeClient:
         except TypeError:
             raise TypeError("prompt must be a string, a sequence of token ids or a sequence of chat messages "
                             f"({{'role', 'content'}} dicts), got {type(prompt).__name__}") from None
+        self._check_vocab(ids, "prompt token id")
+        return ids
+
+    def _check_vocab(self, ids: Sequence[int], what: str) -> None:
         vocab = self.verifier_info.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the verifier's vocabulary [0, {vocab})")
-        return ids
+            raise ValueError(f"{what} {bad} is outside the verifier's vocabulary [0, {vocab})")
 
     def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, **template_kwargs) -> list[int]:
@@ -382,10 +385,7 @@ class SpeculativeClient:
         prompt_ids = self.encode_prompt(prompt, chat)
         if not prompt_ids:
             raise ValueError("the prompt is empty after tokenization")
-        vocab = self.verifier_info.vocab_size
-        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"stop_token_ids: token id {bad} is outside the verifier's vocabulary [0, {vocab})")
+        self._check_vocab(params.stop_token_ids, "stop_token_ids: token id")
         max_context = self.verifier_info.max_context
         if len(prompt_ids) + params.max_tokens > max_context:
             raise ValueError(

@@ -299,11 +299,6 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def speculative(*results: GenerationResult) -> dict:
     """The speculative counters of one generation, or summed over a request's choices (an
     extra field; `usage` stays OpenAI's)."""
-    if len(results) == 1:
-        r = results[0]
-        return {"num_rounds": r.num_rounds, "num_draft_tokens": r.num_draft_tokens,
-                "num_accepted_tokens": r.num_accepted_tokens, "acceptance_rate": r.acceptance_rate,
-                "draft_time_s": r.draft_time_s, "verify_time_s": r.verify_time_s}
     drafts, accepted = sum(r.num_draft_tokens for r in results), sum(r.num_accepted_tokens for r in results)
     return {"num_rounds": sum(r.num_rounds for r in results), "num_draft_tokens": drafts,
             "num_accepted_tokens": accepted, "acceptance_rate": accepted / drafts if drafts else 0.0,

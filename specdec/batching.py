@@ -66,7 +66,7 @@ class WorkItem:
 
     payload: Any
     future: Future = field(default_factory=Future)
-    gathered: bool = False  # part of a client's step message: no batching wait for it (module doc)
+    gathered: bool = False  # part of a client's step message: a shorter batching wait (module doc)
 
 
 @dataclass

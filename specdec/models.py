@@ -218,7 +218,7 @@ def _resolve(spec: ModelSpec) -> tuple[str, dict]:
         return str(ensure_embedded_model()), {}
     model, gguf = spec.model, spec.gguf_file
     path = Path(model).expanduser()
-    local_files_only = False
+    kwargs: dict = {}
     if path.is_file():
         if path.suffix != ".gguf" or gguf:
             raise ValueError(f"model {model!r} is a file: give the folder that holds its config.json, or a .gguf file")
@@ -240,10 +240,9 @@ def _resolve(spec: ModelSpec) -> tuple[str, dict]:
             raise FileNotFoundError(
                 f"model {model!r} is neither a local folder nor in the Hugging Face cache; the services do not "
                 f"download models: fetch it first (`hf download {model}`) or give a folder")
-        local_files_only = True
-    kwargs: dict = {"gguf_file": gguf} if gguf else {}
-    if local_files_only:
         kwargs["local_files_only"] = True
+    if gguf:
+        kwargs["gguf_file"] = gguf
     return model, kwargs
 
 
