@@ -5,7 +5,7 @@ adds, so an A/B of `bench serve` through gRPC and through the gateway cannot res
 Here the gateway (the real app, uvicorn, its worker pool and the real tokenizer with its
 chat template) runs in a child process over a stub client whose rounds cost nothing: each
 yields `--tokens-per-round` tokens at once. A request's latency is then the gateway's own
-work: validation, tokenization, the thread hand-offs, JSON / SSE encoding and HTTP. The
+work: validation, tokenization, the hand-offs to tasks, JSON / SSE encoding and HTTP. The
 per-request cost is the latency of a one-token completion; the per-token cost is the
 slope over `--max-tokens`.
 """
@@ -45,7 +45,7 @@ class _StubClient:
         ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
-    def stream(self, prompt_ids, params: SamplingParams, **_):
+    async def astream(self, prompt_ids, params: SamplingParams, **_):
         result = GenerationResult(text="", token_ids=[], prompt_token_ids=list(prompt_ids), finish_reason="length")
         while len(result.token_ids) < params.max_tokens:
             new = [self._token] * min(self.tokens_per_round, params.max_tokens - len(result.token_ids))

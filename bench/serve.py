@@ -1,14 +1,14 @@
 """`specdec bench serve`: a vLLM-style serving benchmark of the drafter + verifier pair.
 
-Workload. N prompts (see `datasets.py`) are sent from a thread pool, each through
-`SpeculativeClient.stream`; arrival times follow a Poisson process of `request_rate`
-requests/s (Gamma inter-arrivals with shape `burstiness` as in vLLM; burstiness 1 is
-Poisson, `inf` sends everything at once), and `max_concurrency` bounds the requests in
-flight (a request that arrives while all slots are busy waits for one; its latencies are
-measured from when it is actually sent, as vLLM does). Prompts are tokenized once, in
-the main thread, so worker threads share one client and only decode (read-only) with
-its tokenizer. `duration_limit_s` is a hard bound: requests not yet sent are recorded as
-failed ("not sent"), and requests in flight stop after their current round ("aborted").
+Workload. N prompts (see `datasets.py`) are sent as tasks of one event loop, each through
+`SpeculativeClient.astream` (as vLLM's `bench serve` drives its server); arrival times
+follow a Poisson process of `request_rate` requests/s (Gamma inter-arrivals with shape
+`burstiness` as in vLLM; burstiness 1 is Poisson, `inf` sends everything at once), and
+`max_concurrency` bounds the requests in flight (a request that arrives while all slots
+are busy waits for one; its latencies are measured from when it is actually sent, as vLLM
+does). Prompts are tokenized once, before the run. `duration_limit_s` is a hard bound:
+requests not yet sent are recorded as failed ("not sent"), and requests in flight stop
+after their current round ("aborted").
 
 Metrics follow vLLM's `benchmarks/serve.py` names and definitions:
 - TTFT: from sending the request to the first streamed chunk (the first round's tokens).
@@ -57,13 +57,13 @@ share of the run's throughput (the categories add up to the total).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
 import math
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Iterable, Sequence
@@ -260,8 +260,8 @@ class _Aborted(Exception):
     pass
 
 
-def send_request(client: SpeculativeClient, req: BenchRequest, config: WorkloadConfig, gamma: int | str,
-                 run_start: float, deadline: float | None) -> RequestRecord:
+async def send_request(client: SpeculativeClient, req: BenchRequest, config: WorkloadConfig, gamma: int | str,
+                       run_start: float, deadline: float | None) -> RequestRecord:
     rec = RequestRecord(index=req.index, category=req.prompt.category, prompt_id=req.prompt.id,
                         input_tokens=len(req.prompt_ids))
     if deadline is not None and time.perf_counter() >= deadline:
@@ -270,12 +270,12 @@ def send_request(client: SpeculativeClient, req: BenchRequest, config: WorkloadC
     params = request_params(config, req.index)
     sent = last = time.perf_counter()
     rec.start = sent - run_start
-    stream = client.stream(list(req.prompt_ids), params, num_speculative_tokens=gamma,
-                           target_only=config.target_only, fanout=config.fanout)
+    stream = client.astream(list(req.prompt_ids), params, num_speculative_tokens=gamma,
+                            target_only=config.target_only, fanout=config.fanout)
     result = None
     emitted = 0
     try:
-        for chunk in stream:
+        async for chunk in stream:
             now = time.perf_counter()
             if rec.ttft is None:
                 rec.ttft = now - sent
@@ -295,7 +295,7 @@ def send_request(client: SpeculativeClient, req: BenchRequest, config: WorkloadC
     except Exception as exc:  # recorded per request, like vLLM's failed requests
         rec.error = f"{type(exc).__name__}: {exc}"
     finally:
-        stream.close()  # closes both sessions now, also when aborted
+        await stream.aclose()  # closes both sessions now, also when aborted
     if result is None:
         rec.error = rec.error or "stream ended without a result"
         return rec
@@ -319,39 +319,53 @@ def send_request(client: SpeculativeClient, req: BenchRequest, config: WorkloadC
 
 
 def dispatch(client: SpeculativeClient, requests: Sequence[BenchRequest], config: WorkloadConfig,
-             gamma: int, send=send_request) -> tuple[list[RequestRecord], float]:
+             gamma: int, send=None) -> tuple[list[RequestRecord], float]:
     """Send every request at its arrival time; returns the records (in request order)
-    and the run's duration in seconds. `send(client, req, config, gamma, run_start, deadline)`
-    measures one request (another backend passes its own: bench/openai_backend.py)."""
+    and the run's duration in seconds. Requests are tasks on one event loop (`send_request`);
+    another backend passes its own blocking `send(client, req, config, gamma, run_start,
+    deadline)`, which then runs on a thread per request in flight (bench/openai_backend.py)."""
+    return asyncio.run(_dispatch(client, requests, config, gamma, send))
+
+
+async def _dispatch(client, requests: Sequence[BenchRequest], config: WorkloadConfig, gamma: int,
+                    send) -> tuple[list[RequestRecord], float]:
     offsets = arrival_offsets(len(requests), config.request_rate, config.seed, config.burstiness)
     workers = max(1, min(len(requests), config.max_concurrency or len(requests)))
+    slots = asyncio.Semaphore(workers)  # max_concurrency: an arrival waits for a slot, then is sent
     progress = _progress(len(requests), config)
-    lock = threading.Lock()
     ends: list[float] = []
+    loop = asyncio.get_running_loop()
+    threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bench") if send is not None else None
 
-    def done(_: Future) -> None:
-        with lock:
-            ends.append(time.perf_counter())
-            if progress is not None:
-                progress.update(1)
+    async def one(req: BenchRequest) -> RequestRecord:
+        async with slots:
+            if send is None:
+                rec = await send_request(client, req, config, gamma, start, deadline)
+            else:
+                rec = await loop.run_in_executor(threads, send, client, req, config, gamma, start, deadline)
+        ends.append(time.perf_counter())
+        if progress is not None:
+            progress.update(1)
+        return rec
 
-    futures = []
+    tasks = []
     start = time.perf_counter()
     deadline = start + config.duration_limit_s if config.duration_limit_s else None
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bench") as pool:
+    try:
         for req, offset in zip(requests, offsets):
             wake = start + float(offset)
             if deadline is not None:
                 wake = min(wake, deadline)
             pause = wake - time.perf_counter()
             if pause > 0:
-                time.sleep(pause)
-            fut = pool.submit(send, client, req, config, gamma, start, deadline)
-            fut.add_done_callback(done)
-            futures.append(fut)
-    if progress is not None:
-        progress.close()
-    records = [f.result() for f in futures]
+                await asyncio.sleep(pause)
+            tasks.append(asyncio.ensure_future(one(req)))
+        records = list(await asyncio.gather(*tasks))
+    finally:
+        if threads is not None:
+            threads.shutdown(wait=True)
+        if progress is not None:
+            progress.close()
     duration = (max(ends) if ends else time.perf_counter()) - start
     return records, duration
 

@@ -298,8 +298,8 @@ def _add_gateway_parser(sub) -> None:
     gw.add_argument("--fanout", type=positive("--fanout", zero=True), default=0,
                     help="speculation cache: the drafter pre-drafts the next round for its top-F bonus candidates")
     gw.add_argument("--max-concurrent-requests", type=positive("--max-concurrent-requests"), default=64,
-                    help="generations run at once, each on a worker thread with a session on each side; "
-                         "more requests wait for a thread")
+                    help="generations run at once, each with a session on each side; more requests "
+                         "wait for a slot")
     gw.add_argument("--timeout-s", type=positive("--timeout-s", float), default=60.0,
                     help="deadline of every upstream call")
     gw.add_argument("--recovery-timeout-s", type=positive("--recovery-timeout-s", float, zero=True), default=10.0,

@@ -4,8 +4,8 @@ send their rounds together, one message per step instead of one Verify call each
 The server then parses, validates and answers a whole step at once, and runs one handler
 thread for it instead of one per session (on a CPU, dozens of handler threads contending for
 the interpreter lock with the engine thread cost more than the model step). Each generation
-thread still calls `verify(request)` and blocks for its own reply, so the round loop in
-client/speculative.py is unchanged: only the transport differs.
+awaits `verify(request)` for its own reply, so the round loop in client/speculative.py is
+unchanged: only the transport differs. Everything here runs on the client's event loop.
 
 The steps travel as messages of one long-lived VerifyStream per verifier, which saves a call's
 set-up on both sides every step (a round at concurrency 1 on a 2-core CPU: its step + 0.65 ms,
@@ -22,12 +22,10 @@ hold back every decode round batched with it.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
-import queue
-import threading
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import grpc
@@ -65,79 +63,83 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 class _Pending:
     request: pb.VerifyRequest
     deadline: float  # time.monotonic()
-    future: Future = field(default_factory=Future)
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class VerifyBatcher:
-    """Coalesces concurrent `verify` calls to one verifier into one message per step.
+    """Coalesces concurrent `verify` calls to one verifier (a `grpc.aio` stub) into one message
+    per step.
 
-    No sender thread and no cap on steps in flight: the first round to arrive while no batch
-    is being gathered leads one. It waits until every generation this client runs on the
-    verifier has sent its round (`expected`), or a tenth of a step's recent latency (whichever
-    comes first: a generation that is drafting or prefilling costs at most that), then sends
-    the batch and every round waits for its own reply. A round never waits for an earlier step
-    to come back (with two sender threads, rounds queued behind calls in flight and reached
-    the engine a step late: concurrency 4 on the embedded pair ran at 48 tok/s against 84
-    unary; now 80-86, four rounds a call)."""
+    No sender task and no cap on steps in flight: a step goes out once every generation this
+    client runs on the verifier has sent its round (`expected`), or a tenth of a step's recent
+    latency after its first round (whichever comes first: a generation that is drafting or
+    prefilling costs at most that), and every round waits for its own reply. A round never waits
+    for an earlier step to come back (rounds queued behind calls in flight reach the engine a
+    step late: concurrency 4 on the embedded pair ran at 48 tok/s against 84 unary)."""
 
-    def __init__(self, stub, name: str = "verifier") -> None:
+    def __init__(self, stub, name: str = "verifier", metadata: tuple = ()) -> None:
         self._stub = stub
         self._name = name
+        self._metadata = metadata  # VerifyStream's (a bearer token); the channel adds it to unary calls
         self._pending: list[_Pending] = []
-        self._gathering = False  # a leader is gathering `_pending`
-        self._cond = threading.Condition()
+        self._linger: asyncio.TimerHandle | None = None  # sends `_pending` when it fires
         self._front = "stream"  # then "batch" (no VerifyStream) or "unary" (no VerifyBatch either)
         self._stream: _Stream | None = None
         self._latency_s = 0.0  # decayed latency of recent steps
+        self._calls: set[asyncio.Task] = set()  # VerifyBatch / unary fallbacks in flight
 
-    def verify(self, request: pb.VerifyRequest, timeout: float, expected: int = 1) -> pb.VerifyResponse:
-        """The reply to `request`, as `stub.Verify(request, timeout=timeout)` would give it;
+    async def verify(self, request: pb.VerifyRequest, timeout: float, expected: int = 1) -> pb.VerifyResponse:
+        """The reply to `request`, as `await stub.Verify(request, timeout=timeout)` would give it;
         a failed round raises a grpc.RpcError with the round's own status code. expected:
         this client's generations running on the verifier (the rounds worth waiting for)."""
         if len(request.append_token_ids) > UNARY_APPEND_TOKENS or self._front == "unary":
-            return self._stub.Verify(request, timeout=timeout)
+            return await self._stub.Verify(request, timeout=timeout)
         item = _Pending(request, time.monotonic() + timeout)
-        with self._cond:
-            self._pending.append(item)
-            lead = not self._gathering
-            if lead:
-                self._gathering = True
-                linger = min(max(LINGER_SHARE * self._latency_s, LINGER_BOUNDS_S[0]), LINGER_BOUNDS_S[1])
-                deadline = time.monotonic() + linger
-                while len(self._pending) < min(expected, MAX_ENTRIES):
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._cond.wait(left)
-                batch, self._pending, self._gathering = self._pending, [], False
-            else:
-                self._cond.notify_all()  # the leader counts arrivals
-        if lead:
-            for i in range(0, len(batch), MAX_ENTRIES):
-                self._send(batch[i:i + MAX_ENTRIES])
+        self._pending.append(item)
+        if len(self._pending) >= min(expected, MAX_ENTRIES):
+            self._flush()
+        elif self._linger is None:
+            linger = min(max(LINGER_SHARE * self._latency_s, LINGER_BOUNDS_S[0]), LINGER_BOUNDS_S[1])
+            self._linger = asyncio.get_running_loop().call_later(linger, self._flush)
         try:
-            return item.future.result(timeout=max(0.0, item.deadline - time.monotonic()))
-        except TimeoutError:  # a stream has no deadline of its own: the round's is kept here
+            # A round that times out or is cancelled cancels its future: the step's reply skips it.
+            return await asyncio.wait_for(item.future, max(0.0, item.deadline - time.monotonic()))
+        except asyncio.TimeoutError:  # a stream has no deadline of its own: the round's is kept here
             raise BatchEntryError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                   f"no reply from verifier {self._name} within {timeout:.1f} s") from None
 
     def close(self) -> None:
         """End the stream: rounds still waiting on it fail CANCELLED (the server finishes their
         steps and lets their sessions go)."""
-        with self._cond:
-            stream, self._stream = self._stream, None
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
+        stream, self._stream = self._stream, None
         if stream is not None:
             stream.close()
+        for task in list(self._calls):
+            task.cancel()
+
+    def _flush(self) -> None:
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
+        batch, self._pending = self._pending, []
+        for i in range(0, len(batch), MAX_ENTRIES):
+            self._send(batch[i:i + MAX_ENTRIES])
 
     def _send(self, batch: list[_Pending]) -> None:
         if self._front == "stream":
-            with self._cond:
-                if self._stream is None or self._stream.ended:
-                    self._stream = _Stream(self._stub, self._name, self._stream_ended, self._returned)
-                stream = self._stream
-            if stream.send(batch):
+            if self._stream is None or self._stream.ended:
+                self._stream = _Stream(self._stub, self._name, self._stream_ended, self._returned, self._metadata)
+            if self._stream.send(batch):
                 return
-        self._call(batch)
+        self._spawn(self._call(batch))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
 
     def _stream_ended(self, unanswered: list[list[_Pending]], exc: grpc.RpcError | None, answered: bool) -> None:
         """The stream's reader: `unanswered` steps fail with the stream's status, except on a
@@ -146,90 +148,96 @@ class VerifyBatcher:
             log.warning("verifier %s has no VerifyStream; sending VerifyBatch calls", self._name)
             self._front = "batch"
             for batch in unanswered:
-                self._call(batch)
+                self._spawn(self._call(batch))
             return
         if exc is None:
             exc = BatchEntryError(grpc.StatusCode.UNAVAILABLE, f"verifier {self._name} ended the stream")
         for batch in unanswered:
             for p in batch:
-                p.future.set_exception(exc)
+                _fail(p, exc)
 
-    def _call(self, batch: list[_Pending]) -> None:
+    async def _call(self, batch: list[_Pending]) -> None:
         if self._front == "unary":
-            for p in batch:
-                self._send_unary(p)
+            await asyncio.gather(*(self._send_unary(p) for p in batch))
             return
         start = time.monotonic()
         timeout = max(0.001, max(p.deadline for p in batch) - start)
         try:
-            reply = self._stub.VerifyBatch(pb.VerifyBatchRequest(requests=[p.request for p in batch]), timeout=timeout)
+            reply = await self._stub.VerifyBatch(pb.VerifyBatchRequest(requests=[p.request for p in batch]),
+                                                 timeout=timeout)
         except grpc.RpcError as exc:  # the whole call failed (the server is gone, the deadline passed)
             self._returned(time.monotonic() - start)
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 log.warning("verifier %s has no VerifyBatch; sending unary Verify calls", self._name)
                 self._front = "unary"
-                for p in batch:
-                    self._send_unary(p)
+                await asyncio.gather(*(self._send_unary(p) for p in batch))
                 return
             for p in batch:
-                p.future.set_exception(exc)
+                _fail(p, exc)
             return
         except BaseException as exc:  # noqa: BLE001 - never leave a generation waiting
             self._returned(time.monotonic() - start)
-            log.exception("VerifyBatch failed")
+            if not isinstance(exc, asyncio.CancelledError):
+                log.exception("VerifyBatch failed")
             for p in batch:
-                p.future.set_exception(exc)
-            return
+                _fail(p, exc)
+            raise
         self._returned(time.monotonic() - start)
         _resolve(batch, reply)
 
     def _returned(self, latency_s: float) -> None:
-        with self._cond:  # the latency a leader's linger is a share of
-            self._latency_s = 0.8 * self._latency_s + 0.2 * latency_s
+        self._latency_s = 0.8 * self._latency_s + 0.2 * latency_s  # what a step's linger is a share of
 
-    def _send_unary(self, p: _Pending) -> None:
+    async def _send_unary(self, p: _Pending) -> None:
         try:
-            p.future.set_result(self._stub.Verify(p.request, timeout=max(0.001, p.deadline - time.monotonic())))
+            reply = await self._stub.Verify(p.request, timeout=max(0.001, p.deadline - time.monotonic()))
         except BaseException as exc:  # noqa: BLE001 - the caller gets it
-            p.future.set_exception(exc)
+            _fail(p, exc)
+            return
+        if not p.future.done():
+            p.future.set_result(reply)
 
 
 class _Stream:
-    """One VerifyStream: steps go out as tagged messages; a reader thread hands each reply to
-    the step whose tag it carries and, when the stream ends or breaks, passes the steps left
+    """One VerifyStream: steps go out as tagged messages; a reader task hands each reply to the
+    step whose tag it carries and, when the stream ends or breaks, passes the steps left
     unanswered to `on_end`."""
 
-    def __init__(self, stub, name: str, on_end, on_reply) -> None:
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, stub, name: str, on_end, on_reply, metadata: tuple = ()) -> None:
+        self._outbox: asyncio.Queue = asyncio.Queue()
         self._tags = itertools.count(1)
-        self._lock = threading.Lock()
         self._steps: dict[int, tuple[list[_Pending], float]] = {}  # tag -> (step, sent at)
         self.ended = False
         self._on_end, self._on_reply = on_end, on_reply
-        self._call = stub.VerifyStream(iter(self._outbox.get, None))
-        threading.Thread(target=self._read, name=f"verify-stream {name}", daemon=True).start()
+        self._call = stub.VerifyStream(metadata=metadata or None)
+        self._tasks = [asyncio.ensure_future(self._write()), asyncio.ensure_future(self._read())]
 
     def send(self, batch: list[_Pending]) -> bool:
         """Queue one step; False when the stream has ended (send it another way)."""
-        message = pb.VerifyBatchRequest(requests=[p.request for p in batch])
-        with self._lock:  # registered before the reader can end, or not at all
-            if self.ended:
-                return False
-            message.tag = tag = next(self._tags)
-            self._steps[tag] = (batch, time.monotonic())
-        self._outbox.put(message)
+        if self.ended:
+            return False
+        tag = next(self._tags)
+        self._steps[tag] = (batch, time.monotonic())
+        self._outbox.put_nowait(pb.VerifyBatchRequest(requests=[p.request for p in batch], tag=tag))
         return True
 
     def close(self) -> None:
-        self._outbox.put(None)  # half-close: the server answers the steps it has, then ends
+        self._outbox.put_nowait(None)  # half-close: the server answers the steps it has, then ends
         self._call.cancel()
 
-    def _read(self) -> None:
+    async def _write(self) -> None:
+        try:
+            while (message := await self._outbox.get()) is not None:
+                await self._call.write(message)
+            await self._call.done_writing()
+        except (grpc.RpcError, asyncio.InvalidStateError):  # the stream broke: _read reports it
+            pass
+
+    async def _read(self) -> None:
         exc, answered = None, False
         try:
-            for reply in self._call:
-                with self._lock:
-                    batch, sent = self._steps.pop(reply.tag, (None, 0.0))
+            while (reply := await self._call.read()) is not grpc.aio.EOF:
+                batch, sent = self._steps.pop(reply.tag, (None, 0.0))
                 if batch is None:
                     log.warning("VerifyStream answered an unknown step (tag %d)", reply.tag)
                     continue
@@ -238,23 +246,30 @@ class _Stream:
                 _resolve(batch, reply)
         except grpc.RpcError as e:
             exc = e
+        except asyncio.CancelledError:
+            exc = BatchEntryError(grpc.StatusCode.CANCELLED, "the client closed the stream")
         except BaseException as e:  # noqa: BLE001 - never leave a generation waiting
             log.exception("VerifyStream reader failed")
             exc = BatchEntryError(grpc.StatusCode.INTERNAL, f"VerifyStream reader failed: {e!r}")
-        with self._lock:
-            self.ended = True
-            unanswered, self._steps = [b for b, _ in self._steps.values()], {}
-        self._outbox.put(None)
+        self.ended = True
+        unanswered, self._steps = [b for b, _ in self._steps.values()], {}
+        self._outbox.put_nowait(None)
         self._on_end(unanswered, exc, answered)
+
+
+def _fail(p: _Pending, exc: BaseException) -> None:
+    if not p.future.done():
+        p.future.set_exception(exc)
 
 
 def _resolve(batch: list[_Pending], reply: pb.VerifyBatchResponse) -> None:
     """Hand each round of `batch` its result from `reply` (a step's answer, in order)."""
     for p, result in zip(batch, reply.results):
+        if p.future.done():  # its round timed out or was cancelled meanwhile
+            continue
         if result.code == 0:
             p.future.set_result(result.response)
         else:
             p.future.set_exception(BatchEntryError(_CODES.get(result.code, grpc.StatusCode.UNKNOWN), result.message))
     for p in batch[len(reply.results):]:  # a server that answered fewer entries than it was sent
-        p.future.set_exception(BatchEntryError(grpc.StatusCode.INTERNAL,
-                                               "VerifyBatch answered no result for this round"))
+        _fail(p, BatchEntryError(grpc.StatusCode.INTERNAL, "VerifyBatch answered no result for this round"))

@@ -84,7 +84,11 @@ class OutputProcessor:
     until a stop condition holds, in vLLM's order: none before min_tokens, then EOS (unless
     ignore_eos) or a stop token id, then max_tokens; stop strings are searched in the text.
     The text streams incrementally: an incomplete UTF-8 sequence, and a tail that could be
-    the start of a stop string, are held back until a later round settles them."""
+    the start of a stop string, are held back until a later round settles them.
+
+    Detokenization is incremental too, as vLLM's: each round decodes only a window from the
+    tokens before the last settled ones (`_prefix_offset`) and keeps the part past their text,
+    so a round costs O(its tokens), not O(all tokens so far)."""
 
     def __init__(self, tokenizer, params: SamplingParams, eos_token_ids: Sequence[int], result: GenerationResult,
                  t0: float) -> None:
@@ -95,6 +99,9 @@ class OutputProcessor:
         self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self._t0 = t0  # perf_counter at the generation's start
         self._emitted = ""  # text already streamed
+        self._text = ""  # decoded text of token_ids[:_read_offset]
+        self._prefix_offset = 0  # the decode window starts here: context for the tokens after _read_offset
+        self._read_offset = 0
 
     def commit(self, token_ids: Sequence[int], logprobs: Sequence[dict] | None, now: float) -> StreamChunk:
         """Commit a round's tokens (the accepted drafts, then the bonus or recovered token) and
@@ -119,7 +126,7 @@ class OutputProcessor:
                 break
         if not result.ttft_s:
             result.ttft_s = now - self._t0
-        text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        text = self._decode(result.token_ids)
         stops = params.stop if len(result.token_ids) >= params.min_tokens else ()
         cut = find_stop(text, stops, len(self._emitted))
         if cut is not None:
@@ -135,6 +142,25 @@ class OutputProcessor:
         result.text = text
         result.elapsed_s = time.perf_counter() - self._t0
         return StreamChunk(token_ids=new, text=delta, result=result, logprobs=round_logprobs)
+
+
+    def _decode(self, ids: list[int]) -> str:
+        """The text of `ids` (all tokens so far): the settled text, plus the new tokens' text,
+        which ends in U+FFFD while they end inside a UTF-8 sequence (then they stay unsettled)."""
+        decode = self.tokenizer.decode
+        settled = decode(ids[self._prefix_offset:self._read_offset], skip_special_tokens=True)
+        window = decode(ids[self._prefix_offset:], skip_special_tokens=True)
+        if window.startswith(settled):
+            # The window repeats the settled tokens' text (a leading-space rule trims both alike):
+            # the new text is what follows it.
+            new, text = window[len(settled):], self._text + window[len(settled):]
+        else:  # the new tokens change how the settled ones read (a clean-up rule): decode it all
+            text = decode(ids, skip_special_tokens=True)
+            new = text[len(self._text):]
+        if new and not new.endswith("\ufffd"):
+            self._text = text
+            self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        return text
 
 
 def find_stop(text: str, stops: Sequence[str], start: int) -> int | None:

@@ -14,12 +14,14 @@ also spread over the pool.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Collection, Generic, Sequence, TypeVar
 
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.25, 4.0
+_ROOM_POLL_S = 0.02  # how often a generation queued for a full pool looks again
 
 StubT = TypeVar("StubT")
 
@@ -60,7 +62,8 @@ class Server(Generic[StubT]):
     """One server of a pool, as this client sees it."""
 
     address: str
-    stub: StubT
+    stub: StubT  # blocking calls (health probes, GetStats)
+    astub: object = None  # the `grpc.aio` stub the client's event loop calls
     index: int = 0  # position in the pool, the last tie-breaker
     info: object | None = None  # its ModelInfo once it answered and passed the checks; None: check it first
     sessions: int = 0  # live sessions of this client on it: the balancing signal
@@ -92,7 +95,6 @@ class ServerPool(Generic[StubT]):
             server.index = i
         self._clock = clock
         self._lock = threading.Lock()
-        self._room = threading.Condition(self._lock)  # notified when a session slot is given back
 
     def __len__(self) -> int:
         return len(self.servers)
@@ -122,7 +124,6 @@ class ServerPool(Generic[StubT]):
         """A session picked on `server` ended (closed, lost, or never opened)."""
         with self._lock:
             server.sessions = max(0, server.sessions - 1)
-            self._room.notify_all()
 
     def failed(self, server: Server[StubT], *, immediate: bool = False) -> None:
         """A call to `server` failed: check its model again before the next session there;
@@ -162,17 +163,17 @@ class ServerPool(Generic[StubT]):
         with self._lock:
             return self._all_full()
 
-    def wait_for_room(self, timeout_s: float) -> bool:
-        """Block until a session is given back while `full()`, or timeout_s passes; False
-        if it is still full then. (The queue in front of full servers, as vLLM's waiting queue.)"""
-        deadline = time.monotonic() + timeout_s  # real time, as Condition.wait's (not the backoff's clock)
-        with self._room:
-            while self._all_full():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._room.wait(left)
-            return True
+    async def wait_for_room(self, timeout_s: float) -> bool:
+        """Wait (on the client's event loop) until a session is given back while `full()`, or
+        timeout_s passes; False if it is still full then. (The queue in front of full servers,
+        as vLLM's waiting queue.) Polls: room frees when a generation ends, seconds apart."""
+        deadline = time.monotonic() + timeout_s  # real time (not the backoff's clock)
+        while self.full():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            await asyncio.sleep(min(left, _ROOM_POLL_S))
+        return True
 
     def _all_full(self) -> bool:  # under the lock
         enabled = [s for s in self.servers if s.disabled is None]

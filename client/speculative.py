@@ -1,5 +1,12 @@
 """SpeculativeClient: runs draft / verify rounds against the two services.
 
+Every generation of a client runs on the client's one event loop (a thread it owns), over
+`grpc.aio` channels: a round is a coroutine that awaits its Draft and its Verify, so
+dozens of concurrent generations cost no thread each and no thread wake-up per round (half
+of a threaded client's CPU per round). `generate` and `stream` are the blocking API, for
+any thread; `agenerate` and `astream` serve callers on another event loop (the gateway,
+`bench serve`). Chunks cross to the caller through a queue; the rounds never wait for it.
+
 KV bookkeeping lives here. The client remembers which tokens each service's cache
 holds (`_Link.kv`); each round it asks each service to keep the
 longest prefix of that which still agrees with the committed sequence (`truncate_to`)
@@ -9,12 +16,15 @@ drafts past the rejection point: those are dropped by the next call's truncation
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import operator
+import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Mapping, Sequence
+from typing import AsyncIterator, Callable, Iterator, Mapping, Sequence
 
 import grpc
 from jinja2 import TemplateError
@@ -36,7 +46,7 @@ from specdec_rpc.adapters import (
     proposal_format_to_pb,
     sampling_to_pb,
 )
-from specdec_rpc.ops import TLSFiles, open_channel
+from specdec_rpc.ops import TLSFiles, bearer_metadata, open_aio_channel, open_channel
 
 __all__ = ["GenerationResult", "IncompatibleModels", "SpeculativeClient", "StreamChunk", "check_compatible"]
 
@@ -48,6 +58,8 @@ AUTO_GAMMA_MAX = 8
 # A drafter this many tokens behind the committed sequence (its first prefill, a failover)
 # catches up off the critical path, during target-only rounds, instead of inside a Draft.
 ASYNC_CATCHUP_TOKENS = 32
+_END = object()  # a generation's last item on its way to the caller
+_CLOSE_WAIT_S = 10.0  # how long a caller that stops reading waits for the generation's sessions to close
 
 
 class IncompatibleModels(ValueError):
@@ -113,13 +125,18 @@ class SpeculativeClient:
         self.recovery_timeout_s = recovery_timeout_s
         self.fanout = _check_fanout(fanout)  # speculation cache: bonus candidates the drafter pre-drafts per round
         tls = TLSFiles(cert=tls_cert, key=tls_key, ca=tls_ca)
-        self._channels: list[grpc.Channel] = []
-        self._closing: list[grpc.Future] = []  # drafter CloseSession calls in flight
-        self._closing_lock = threading.Lock()
-        self._live: set[_Generation] = set()  # generations begun and not finished: close() ends them
+        self._channels: list[grpc.Channel] = []  # blocking, for callers' own calls (health probes, GetStats)
+        self._aio_channels: list[grpc.aio.Channel] = []
+        self._tasks: set[asyncio.Task] = set()  # background calls: drafter CloseSession, a late drafter's probe
+        self._pumps: set[asyncio.Task] = set()  # running generations: close() cancels them
+        self._closed = False
+        self._stream_metadata = bearer_metadata(auth_token)
         self._costs: dict[str, ServingCosts] = {}  # per verifier address: its load model
         self._costs_lock = threading.Lock()
         self._batchers: dict[str, VerifyBatcher] | None = {} if batch_verify else None  # per verifier address
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="specdec-client", daemon=True)
+        self._thread.start()
 
         def pool(role: str, addresses: list[str], stub_class) -> ServerPool:
             servers = []
@@ -128,11 +145,20 @@ class SpeculativeClient:
                 servers.append(Server(address, stub_class(self._channels[-1])))
             return ServerPool(role, servers)
 
+        async def connect() -> None:  # aio channels belong to the loop they are made on
+            for servers, stub_class in ((self.verifiers.servers, pb_grpc.VerifierStub),
+                                        (self.drafters.servers if self.drafters else [], pb_grpc.DrafterStub)):
+                for server in servers:
+                    self._aio_channels.append(open_aio_channel(server.address, tls=tls, auth_token=auth_token,
+                                                               options=CHANNEL_OPTIONS))
+                    server.astub = stub_class(self._aio_channels[-1])
+            await self._join_pools()
+
         try:
             self.verifiers = pool("verifier", parse_addresses(verifier, "verifier"), pb_grpc.VerifierStub)
             drafters = parse_addresses(drafter, "drafter")
             self.drafters = pool("drafter", drafters, pb_grpc.DrafterStub) if drafters else None
-            self._join_pools()
+            self._on_loop(connect())
         except BaseException:
             self.close()
             raise
@@ -143,10 +169,26 @@ class SpeculativeClient:
                 "pass the verifier's tokenizer"
             )
 
-    def _join_pools(self) -> None:
+    def _on_loop(self, coro):
+        """Run `coro` on the client's loop and wait for its result (from any other thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _background(self, make: Callable[[], object]) -> None:
+        """Run the coroutine `make()` as a task on the client's loop, from any thread."""
+        def spawn() -> None:
+            task = self._loop.create_task(make())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        if threading.current_thread() is self._thread:
+            spawn()
+        else:
+            self._loop.call_soon_threadsafe(spawn)
+
+    async def _join_pools(self) -> None:
         """Ask every server for its model at once; set verifier_info / drafter_info: the first
         answering server's, with the pool's smallest limits (max_context, max_draft_tokens)."""
-        verifiers = self._probe(self.verifiers, _VERIFIER_LOST)
+        verifiers = await self._probe(self.verifiers, _VERIFIER_LOST)
         ref = verifiers[0][1]
         for _, info in verifiers[1:]:
             _check_same_target(info, ref)
@@ -157,7 +199,7 @@ class SpeculativeClient:
         if self.drafters is not None:
             # No drafter up yet is not fatal: generations run target-only (as when every drafter
             # is lost mid-run) and `effective_gamma` lets one join as soon as it answers.
-            drafters = self._probe(self.drafters, _DRAFTER_LOST, required=False)
+            drafters = await self._probe(self.drafters, _DRAFTER_LOST, required=False)
             for server, info in drafters:
                 check_compatible(info, self.verifier_info)
             if drafters:
@@ -174,15 +216,14 @@ class SpeculativeClient:
         that asks runs target-only, and the first drafter that answers and fits sets drafter_info
         for the ones after it."""
         server = self.drafters.pick()
-        if server is None:
-            return
-        call = server.stub.GetModelInfo.future(pb.ModelInfoRequest(), timeout=min(self.timeout_s, 5.0))
-        call.add_done_callback(lambda done: self._drafter_answered(server, done))
+        if server is not None and not self._closed:
+            self._background(lambda: self._drafter_answered(server))
 
-    def _drafter_answered(self, server: Server, call: grpc.Future) -> None:
-        """_late_drafter's answer (on a gRPC thread)."""
+    async def _drafter_answered(self, server: Server) -> None:
+        """_late_drafter's question and its answer (on the client's loop)."""
         try:
-            info = model_info_from_pb(call.result())
+            info = model_info_from_pb(await server.astub.GetModelInfo(pb.ModelInfoRequest(),
+                                                                      timeout=min(self.timeout_s, 5.0)))
             check_compatible(info, self.verifier_info)
         except IncompatibleModels as exc:
             self.drafters.disable(server, str(exc))
@@ -199,12 +240,13 @@ class SpeculativeClient:
         self.drafters.succeeded(server, info)
         log.info("drafter %s answers (%s); speculation starts", server.address, info.model)
 
-    def _probe(self, pool: ServerPool, lost: frozenset, required: bool = True) -> list[tuple[Server, ModelInfo]]:
+    async def _probe(self, pool: ServerPool, lost: frozenset, required: bool = True) -> list[tuple[Server, ModelInfo]]:
         """(server, its ModelInfo) of the servers that answer GetModelInfo, in pool order; the
         others are marked down (tried again when a session needs one). Raises the first
         error if none answers (unless not `required`), or any error that is not a lost server's."""
-        calls = [(s, s.stub.GetModelInfo.future(pb.ModelInfoRequest(), timeout=self.timeout_s))
+        calls = [(s, asyncio.ensure_future(s.astub.GetModelInfo(pb.ModelInfoRequest(), timeout=self.timeout_s)))
                  for s in pool.servers]
+        await asyncio.wait([call for _, call in calls])
         answered, errors = [], []
         for server, call in calls:
             try:
@@ -235,34 +277,46 @@ class SpeculativeClient:
         """The first listed drafter, or None without drafters (generations use `drafters`)."""
         return self.drafters.servers[0].stub if self.drafters is not None else None
 
-    def _verify(self, server: Server, request: pb.VerifyRequest, timeout: float) -> pb.VerifyResponse:
+    async def _verify(self, server: Server, request: pb.VerifyRequest, timeout: float) -> pb.VerifyResponse:
         """One round on `server`: unary, or batched with this client's other generations."""
         if self._batchers is None:
-            return server.stub.Verify(request, timeout=timeout)
-        with self._costs_lock:
-            batcher = self._batchers.get(server.address)
-            if batcher is None:
-                batcher = self._batchers[server.address] = VerifyBatcher(server.stub, server.address)
-        return batcher.verify(request, timeout, expected=self.costs(server.address).local_running)
+            return await server.astub.Verify(request, timeout=timeout)
+        batcher = self._batchers.get(server.address)
+        if batcher is None:
+            batcher = VerifyBatcher(server.astub, server.address, self._stream_metadata)
+            self._batchers[server.address] = batcher
+        return await batcher.verify(request, timeout, expected=self.costs(server.address).local_running)
 
     def close(self) -> None:
         """Close every session this client holds (also those of generations still open, e.g.
-        a `stream` not iterated to its end), then the channels."""
-        with self._closing_lock:
-            live, self._live = list(self._live), set()
-        for gen in live:
-            self._finish(gen)
-        for batcher in list((self._batchers or {}).values()):
+        a `stream` not iterated to its end), then the channels and the client's loop."""
+        if self._closed:
+            return
+        self._closed = True
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("SpeculativeClient.close() was called on the client's own event loop")
+        try:
+            self._on_loop(self._aclose())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+            for ch in self._channels:
+                ch.close()
+
+    async def _aclose(self) -> None:
+        pumps = list(self._pumps)
+        for task in pumps:  # each ends its generation: both sessions closed
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        for batcher in (self._batchers or {}).values():
             batcher.close()
-        with self._closing_lock:
-            pending, self._closing = self._closing, []
-        for future in pending:  # drafter sessions closing in the background: let them finish
-            try:
-                future.result(timeout=5.0)
-            except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
-                pass
-        for ch in self._channels:
-            ch.close()
+        if self._tasks:  # drafter sessions closing in the background: let them finish
+            await asyncio.wait(list(self._tasks), timeout=5.0)
+        for task in list(self._tasks):
+            task.cancel()
+        for ch in self._aio_channels:
+            await ch.close()
 
     def __enter__(self) -> "SpeculativeClient":
         return self
@@ -343,6 +397,7 @@ class SpeculativeClient:
         chat: bool = False,
         fanout: int | None = None,
     ) -> GenerationResult:
+        """The whole generation (`stream`'s last result), blocking this thread."""
         result = None
         for chunk in self.stream(prompt, params, num_speculative_tokens=num_speculative_tokens,
                                  target_only=target_only, chat=chat, fanout=fanout):
@@ -350,7 +405,93 @@ class SpeculativeClient:
         assert result is not None
         return result
 
-    def stream(
+    async def agenerate(self, prompt: str | Sequence[int] | Sequence[dict],
+                        params: SamplingParams = SamplingParams(), **options) -> GenerationResult:
+        """`generate` for a caller on its own event loop (not the client's); options as `stream`'s."""
+        result = None
+        async for chunk in self.astream(prompt, params, **options):
+            result = chunk.result
+        assert result is not None
+        return result
+
+    def stream(self, prompt: str | Sequence[int] | Sequence[dict], params: SamplingParams = SamplingParams(),
+               **options) -> Iterator[StreamChunk]:
+        """`_stream`'s chunks (see there), for a caller on any thread but the client's loop.
+        Stopping early (closing the iterator) ends the generation and waits for its sessions
+        to close."""
+        items: queue.SimpleQueue = queue.SimpleQueue()
+        cancel = self._pump(self._stream(prompt, params, **options), items.put)
+        while (item := items.get()) is not _END:
+            if isinstance(item, BaseException):
+                _drain(items.get)
+                raise item
+            try:
+                yield item
+            except GeneratorExit:
+                cancel()
+                _drain(lambda: items.get(timeout=_CLOSE_WAIT_S))
+                raise
+
+    async def astream(self, prompt: str | Sequence[int] | Sequence[dict],
+                      params: SamplingParams = SamplingParams(), **options) -> AsyncIterator[StreamChunk]:
+        """`stream` for a caller on its own event loop (not the client's): chunks cross to that
+        loop as they come. Cancelling the caller (or closing the iterator) ends the generation."""
+        caller = asyncio.get_running_loop()
+        if caller is self._loop:
+            raise RuntimeError("astream is for other event loops; on the client's own, use _stream")
+        items: asyncio.Queue = asyncio.Queue()
+
+        def put(item: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody reads
+                caller.call_soon_threadsafe(items.put_nowait, item)
+
+        cancel = self._pump(self._stream(prompt, params, **options), put)
+        ended = False
+        try:
+            while (item := await items.get()) is not _END:
+                if isinstance(item, BaseException):
+                    ended = True
+                    raise item
+                yield item
+            ended = True
+        finally:
+            if not ended:  # the caller stopped reading: end the generation, let its sessions close
+                cancel()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(_adrain(items), _CLOSE_WAIT_S)
+
+    def _pump(self, chunks: AsyncIterator[StreamChunk], put: Callable[[object], None]) -> Callable[[], None]:
+        """Run a generation on the client's loop, handing each chunk, then its error if any, then
+        _END to `put` (also when it is cancelled before it starts). Returns what cancels it."""
+        if self._closed:
+            raise RuntimeError("the client is closed")
+        task: list[asyncio.Task] = []
+
+        async def pump() -> None:
+            async for chunk in chunks:
+                put(chunk)
+
+        def done(t: asyncio.Task) -> None:
+            self._pumps.discard(t)
+            if t.cancelled():
+                put(RuntimeError("the generation was cancelled (the client is closing, or its caller stopped)"))
+            elif t.exception() is not None:
+                put(t.exception())
+            put(_END)
+
+        def start() -> None:
+            task.append(self._loop.create_task(pump()))
+            self._pumps.add(task[0])
+            task[0].add_done_callback(done)
+
+        def cancel() -> None:
+            with contextlib.suppress(RuntimeError):  # the client's loop is closed: close() ended it
+                self._loop.call_soon_threadsafe(lambda: task[0].cancel())  # runs after start: FIFO
+
+        self._loop.call_soon_threadsafe(start)
+        return cancel
+
+    async def _stream(
         self,
         prompt: str | Sequence[int] | Sequence[dict],
         params: SamplingParams = SamplingParams(),
@@ -359,7 +500,7 @@ class SpeculativeClient:
         target_only: bool = False,
         chat: bool = False,
         fanout: int | None = None,
-    ) -> Iterator[StreamChunk]:
+    ) -> AsyncIterator[StreamChunk]:
         """Yield the tokens committed by each round; the last chunk carries the result.
         num_speculative_tokens: γ, or "auto" (adaptive γ in [0, 8] per round, see
         specdec/adaptive.py; with `params.seed` the schedule follows from this generation's own
@@ -396,23 +537,24 @@ class SpeculativeClient:
         # the seed keys every draw by position, so the same rounds give the same output under any load.
         controller = (AdaptiveGamma(gamma_min=0, gamma_max=gamma_max, deterministic=params.seed is not None)
                       if adaptive and speculative else None)
-        yield from self._run(prompt_ids, params, gamma_max if speculative else 0, controller, fanout)
+        async for chunk in self._run(prompt_ids, params, gamma_max if speculative else 0, controller, fanout):
+            yield chunk
 
     # ---- rounds -------------------------------------------------------------------
 
-    def _run(self, prompt_ids: list[int], params: SamplingParams, gamma_max: int,
-             controller: AdaptiveGamma | None = None, fanout: int = 0) -> Iterator[StreamChunk]:
+    async def _run(self, prompt_ids: list[int], params: SamplingParams, gamma_max: int,
+                   controller: AdaptiveGamma | None = None, fanout: int = 0) -> AsyncIterator[StreamChunk]:
         """The round loop: choose γ, draft, verify, commit, stream. Each side is told how far
         to truncate its cache from what the client remembers it holds (_lcp against `committed`)."""
-        gen = self._start(prompt_ids, params, gamma_max, controller, fanout)
+        gen = await self._start(prompt_ids, params, gamma_max, controller, fanout)
         try:
             while not gen.output.finished:
-                gamma = self._plan_round(gen)
+                gamma = await self._plan_round(gen)
                 # A side whose cache is empty (first round, new session) prefills in this round,
                 # which would skew the adaptive cost estimates.
                 steady = bool(gen.drafter.kv) and bool(gen.verifier.kv)
-                drafts, proposal, draft_s = self._draft_round(gen, gamma)
-                response, verify_s = self._verify_round(gen, drafts, proposal)
+                drafts, proposal, draft_s = await self._draft_round(gen, gamma)
+                response, verify_s = await self._verify_round(gen, drafts, proposal)
                 if gen.controller is not None and steady:
                     gen.controller.update(len(drafts), response.num_accepted, draft_s, verify_s)
                 logprobs = _logprobs_from_pb(response) if gen.result.logprobs is not None else None
@@ -420,9 +562,9 @@ class SpeculativeClient:
                 gen.committed += chunk.token_ids
                 yield chunk
         finally:
-            self._finish(gen)
+            await self._finish(gen)
 
-    def _start(self, prompt_ids: list[int], params: SamplingParams, gamma_max: int,
+    async def _start(self, prompt_ids: list[int], params: SamplingParams, gamma_max: int,
                controller: AdaptiveGamma | None, fanout: int) -> "_Generation":
         """A generation's state, with its verifier session open (the drafter's opens when drafts
         are first wanted: a generation that never drafts never waits for the drafter)."""
@@ -433,7 +575,7 @@ class SpeculativeClient:
         result = GenerationResult(text="", token_ids=[], prompt_token_ids=list(prompt_ids), finish_reason="length",
                                   target_only=gamma_max == 0, logprobs=[] if params.logprobs is not None else None)
         verifier = _Link()
-        self._open_verifier_session(verifier, result)
+        await self._open_verifier_session(verifier, result)
         gen = _Generation(
             sampling=sampling_to_pb(params), proposal_format=proposal_format_to_pb(fmt),
             prompt_length=len(prompt_ids), committed=list(prompt_ids), result=result,
@@ -448,26 +590,19 @@ class SpeculativeClient:
         gen.counted_on.begin()
         if controller is not None:
             controller.attach(gen.counted_on)
-        with self._closing_lock:
-            self._live.add(gen)
         return gen
 
-    def _finish(self, gen: "_Generation") -> None:
-        """Once per generation: by its own end, or by close() if that comes first."""
-        with self._closing_lock:
-            if gen.finished:
-                return
-            gen.finished = True
-            self._live.discard(gen)
+    async def _finish(self, gen: "_Generation") -> None:
+        """Once per generation, at its end (close() ends running generations by cancelling them)."""
         gen.counted_on.end()
-        self._end(self.verifiers, gen.verifier)
         if self.drafters is not None:
             if gen.drafter.prefill is not None:  # let it land before the session closes
                 gen.drafter.prefill[0].cancel()
                 gen.drafter.prefill = None
-            self._end(self.drafters, gen.drafter)
+            self._end_drafter(gen.drafter)
+        await self._end_verifier(gen.verifier)
 
-    def _plan_round(self, gen: "_Generation") -> int:
+    async def _plan_round(self, gen: "_Generation") -> int:
         """This round's γ: the controller's (or the fixed γ), never more than can be kept, and 0
         while the drafter's background prefill has not landed; starts that prefill when due."""
         link, committed = gen.drafter, gen.committed
@@ -487,13 +622,13 @@ class SpeculativeClient:
                 return 0  # a probe is worth a cheap round, not a prefill of the whole sequence
             # A prompt (or a long run of target-only rounds) to catch up on: the drafter
             # prefills in the background, only once drafts are wanted at all.
-            self._start_prefill(gen)
+            await self._start_prefill(gen)
         elif (gen.result.num_rounds == 0 and gen.gamma_max and link.prefill is None and not gen.shared_cpu
               and min(remaining - 1, gen.drafter_context - len(committed)) > 0
               and (gen.controller is None or gen.controller.best_gamma(link.max_draft_tokens) > 0)):
             # Drafts will be wanted from the second round on: the drafter prefills the prompt
             # now, beside the verifier's prefill, on its own device.
-            self._start_prefill(gen)
+            await self._start_prefill(gen)
         if link.prefill is None:
             return gamma
         # A fixed γ and a seeded request wait for it (their rounds reproduce). Adaptive rounds on
@@ -507,20 +642,20 @@ class SpeculativeClient:
             block = self.costs(gen.verifier.server.address).running <= 1
         else:
             block = waited
-        self._collect_prefill(gen, block=gamma > 0 and block)
+        await self._collect_prefill(gen, block=gamma > 0 and block)
         return gamma if link.prefill is None else 0
 
-    def _draft_round(self, gen: "_Generation", gamma: int) -> tuple[list[int], pb.Proposal | None, float]:
+    async def _draft_round(self, gen: "_Generation", gamma: int) -> tuple[list[int], pb.Proposal | None, float]:
         """(drafts, their proposal, seconds): none for γ 0 or while no drafter is reachable."""
         ts = time.perf_counter()
-        drafts, proposal = self._draft(gen, gamma) if gamma else ([], None)
+        drafts, proposal = await self._draft(gen, gamma) if gamma else ([], None)
         draft_s = time.perf_counter() - ts
         if drafts and gen.drafter.observed is not None:
             self.costs(gen.verifier.server.address).observe_draft(*gen.drafter.observed)
         return drafts, proposal, draft_s
 
-    def _verify_round(self, gen: "_Generation", drafts: list[int],
-                      proposal: pb.Proposal | None) -> tuple[pb.VerifyResponse, float]:
+    async def _verify_round(self, gen: "_Generation", drafts: list[int],
+                            proposal: pb.Proposal | None) -> tuple[pb.VerifyResponse, float]:
         """Score the drafts on the verifier: (its answer, seconds). A lost verifier session is
         re-opened on the pool and re-prefilled from `committed`, for up to recovery_timeout_s;
         the drafts stay valid, since they were proposed for `committed`, which is unchanged."""
@@ -535,7 +670,7 @@ class SpeculativeClient:
             if proposal is not None:
                 request.proposal.CopyFrom(proposal)
             try:
-                response = self._verify(verifier.server, request, self.timeout_s)
+                response = await self._verify(verifier.server, request, self.timeout_s)
                 break
             except grpc.RpcError as exc:
                 if exc.code() not in _VERIFIER_LOST or time.monotonic() > give_up:
@@ -543,8 +678,8 @@ class SpeculativeClient:
                 log.warning("verifier %s lost session=%s code=%s details=%r; re-opening it on the pool for "
                             "up to %.0f s", verifier.server.address, verifier.session_id, exc.code().name,
                             exc.details(), self.recovery_timeout_s)
-                self._lose(self.verifiers, verifier, exc.code(), close=True)  # after a deadline it may exist
-                self._open_verifier_session(verifier, result, exc)
+                await self._lose(self.verifiers, verifier, exc.code(), close=True)  # after a deadline it may exist
+                await self._open_verifier_session(verifier, result, exc)
                 result.verifier_recoveries += 1
         verify_s = time.perf_counter() - ts
         # One engine step (no chunked prompt, no background prefill of ours competing for a
@@ -567,19 +702,19 @@ class SpeculativeClient:
 
     # ---- fault tolerance ------------------------------------------------------------
 
-    def _draft(self, gen: "_Generation", gamma: int, attempt: int = 0) -> tuple[list[int], pb.Proposal | None]:
+    async def _draft(self, gen: "_Generation", gamma: int, attempt: int = 0) -> tuple[list[int], pb.Proposal | None]:
         """This round's drafts and their proposal, or none while no drafter is reachable:
         the round is then a target-only step, which leaves the output distribution as it is.
         A lost session moves at once, in this round, to another drafter of the pool (its first
         Draft re-prefills `committed`); `attempt` counts this round's tries."""
         link, committed, result = gen.drafter, gen.committed, gen.result
-        if link.session_id is None and not self._connect_drafter(gen):
+        if link.session_id is None and not await self._connect_drafter(gen):
             result.drafter_fallback_rounds += 1
             return [], None
         keep = _lcp(link.kv, committed, len(committed) - 1)
         ts = time.perf_counter()
         try:
-            resp = link.server.stub.Draft(
+            resp = await link.server.astub.Draft(
                 pb.DraftRequest(session_id=link.session_id, truncate_to=keep, append_token_ids=committed[keep:],
                                 num_draft_tokens=min(gamma, link.max_draft_tokens), sampling=gen.sampling,
                                 proposal_format=gen.proposal_format, prompt_length=gen.prompt_length,
@@ -593,13 +728,13 @@ class SpeculativeClient:
                         "target-only rounds until one is back", link.server.address, link.session_id,
                         exc.code().name, exc.details())
             result.drafter_failures += 1
-            self._lose(self.drafters, link, exc.code())
+            await self._lose(self.drafters, link, exc.code())
             resp = None
         finally:
             result.draft_time_s += time.perf_counter() - ts
         if resp is None:
             if attempt < len(self.drafters):  # each drafter of the pool may fail once per round
-                return self._draft(gen, gamma, attempt + 1)
+                return await self._draft(gen, gamma, attempt + 1)
             result.drafter_fallback_rounds += 1
             return [], None
         drafts = list(resp.draft_token_ids)
@@ -622,19 +757,19 @@ class SpeculativeClient:
         """The drafter holds nothing of this sequence, or lags more than ASYNC_CATCHUP_TOKENS."""
         return not link.kv or len(committed) - _lcp(link.kv, committed, len(committed)) > ASYNC_CATCHUP_TOKENS
 
-    def _start_prefill(self, gen: "_Generation") -> None:
+    async def _start_prefill(self, gen: "_Generation") -> None:
         """Bring the drafter's cache up to `committed` in the background (a Draft of γ 0), off
         the critical path: the rounds go on without drafts until it lands (_collect_prefill)."""
         link, committed = gen.drafter, gen.committed
-        if link.session_id is None and not self._connect_drafter(gen):
+        if link.session_id is None and not await self._connect_drafter(gen):
             return
         keep = _lcp(link.kv, committed, len(committed) - 1)
         req = pb.DraftRequest(session_id=link.session_id, truncate_to=keep, append_token_ids=committed[keep:],
                               num_draft_tokens=0, sampling=gen.sampling, proposal_format=gen.proposal_format,
                               prompt_length=gen.prompt_length)
-        link.prefill = (link.server.stub.Draft.future(req, timeout=self.timeout_s), list(committed))
+        link.prefill = (asyncio.ensure_future(link.server.astub.Draft(req, timeout=self.timeout_s)), list(committed))
 
-    def _collect_prefill(self, gen: "_Generation", block: bool) -> None:
+    async def _collect_prefill(self, gen: "_Generation", block: bool) -> None:
         """Take the background prefill's answer if it is there (or wait for it with `block`).
         A lost drafter is handled as in _draft: the next round moves the session."""
         link, result = gen.drafter, gen.result
@@ -643,25 +778,26 @@ class SpeculativeClient:
             return
         link.prefill = None
         try:
-            resp = future.result()
+            resp = await future
         except grpc.RpcError as exc:
             if exc.code() not in _DRAFTER_LOST:
                 raise
             log.warning("drafter %s lost session=%s during its prefill code=%s details=%r", link.server.address,
                         link.session_id, exc.code().name, exc.details())
             result.drafter_failures += 1
-            self._lose(self.drafters, link, exc.code())
+            await self._lose(self.drafters, link, exc.code())
             return
         link.kv = sequence
         _check_kv("drafter", resp.kv_length, len(link.kv))
 
-    def _connect_drafter(self, gen: "_Generation") -> bool:
+    async def _connect_drafter(self, gen: "_Generation") -> bool:
         """Open a drafter session on the least-loaded drafter that answers (its first Draft
         prefills all committed tokens). False if none does now; the pool's backoff decides
         when each drafter is tried again, so a round while all are down costs no call."""
         link, result = gen.drafter, gen.result
         lost_from = link.lost_from
-        result.drafter_failures += len(self._open_session(self.drafters, link, _DRAFTER_LOST, self._check_drafter))
+        result.drafter_failures += len(await self._open_session(self.drafters, link, _DRAFTER_LOST,
+                                                                self._check_drafter))
         if link.session_id is None:
             return False
         link.max_draft_tokens = min(link.gamma_max, link.info.max_draft_tokens)
@@ -670,21 +806,21 @@ class SpeculativeClient:
             log.info("drafter session=%s on %s; speculation resumes", link.session_id, link.server.address)
         return True
 
-    def _open_verifier_session(self, link: "_Link", result: GenerationResult,
-                               error: grpc.RpcError | None = None) -> None:
+    async def _open_verifier_session(self, link: "_Link", result: GenerationResult,
+                                     error: grpc.RpcError | None = None) -> None:
         """Open `link`'s verifier session on the least-loaded verifier that answers, waiting
         out the pool's backoff for up to recovery_timeout_s, then raising `error` (the call
         that lost the previous session) or the first connection error. The caller re-prefills."""
         deadline = time.monotonic() + self.recovery_timeout_s
         lost_from = link.lost_from
         while True:
-            errors = self._open_session(self.verifiers, link, _VERIFIER_LOST, self._check_verifier)
+            errors = await self._open_session(self.verifiers, link, _VERIFIER_LOST, self._check_verifier)
             if link.session_id is not None:
                 break
             if not errors and self.verifiers.full():
                 # Queued: every verifier holds all the sessions it admits; one frees when a
                 # generation ends. (Picking one anyway would evict an idle session to re-prefill.)
-                if not self.verifiers.wait_for_room(self.timeout_s):
+                if not await self.verifiers.wait_for_room(self.timeout_s):
                     raise TimeoutError(f"every verifier held its maximum of sessions for {self.timeout_s:g} s "
                                        f"({self.verifiers.live_sessions()}); raise --max-sessions or add verifiers")
                 deadline = time.monotonic() + self.recovery_timeout_s
@@ -699,12 +835,12 @@ class SpeculativeClient:
                     raise RuntimeError(f"no verifier could be tried within {self.recovery_timeout_s:g} s")
                 raise error
             # In slices: a session another generation re-opens meanwhile clears the backoff.
-            time.sleep(min(max(wait, 0.01), _POLL_S))
+            await asyncio.sleep(min(max(wait, 0.01), _POLL_S))
         result.verifier_failovers += _note_server(link, lost_from, result.verifier_addresses)
         if lost_from is not None:
             log.info("verifier session=%s on %s; re-prefilling", link.session_id, link.server.address)
 
-    def _open_session(self, pool: ServerPool, link: "_Link", lost: frozenset, check) -> list[grpc.RpcError]:
+    async def _open_session(self, pool: ServerPool, link: "_Link", lost: frozenset, check) -> list[grpc.RpcError]:
         """Open a session for `link` on the least-loaded ready server of `pool`, trying each
         at most once. A server not known to fit since its last failure is asked for its model
         first and `check`ed (one that fails is left out of the pool for good). Returns the
@@ -717,17 +853,17 @@ class SpeculativeClient:
             info = server.info
             try:
                 if info is None:
-                    info = model_info_from_pb(server.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=short))
+                    info = model_info_from_pb(await server.astub.GetModelInfo(pb.ModelInfoRequest(), timeout=short))
                     check(info)
-                opened = server.stub.OpenSession(pb.OpenSessionRequest(), timeout=short)
+                opened = await server.astub.OpenSession(pb.OpenSessionRequest(), timeout=short)
                 if opened.instance_id and info.instance_id and opened.instance_id != info.instance_id:
                     # Restarted since its model was checked, between this client's calls (a redeploy,
                     # perhaps of another model): check what it serves now before using the session.
-                    fresh = model_info_from_pb(server.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=short))
+                    fresh = model_info_from_pb(await server.astub.GetModelInfo(pb.ModelInfoRequest(), timeout=short))
                     try:
                         check(fresh)
                     except IncompatibleModels:
-                        self._close_quietly(server.stub, opened.session_id)
+                        await self._close_quietly(server.astub, opened.session_id)
                         raise
                     info = fresh
                 session_id = opened.session_id
@@ -769,33 +905,37 @@ class SpeculativeClient:
             raise IncompatibleModels(
                 f"drafter context {info.max_context} is below the pool's {self.drafter_info.max_context}")
 
-    def _lose(self, pool: ServerPool, link: "_Link", code: grpc.StatusCode, close: bool = False) -> None:
+    async def _lose(self, pool: ServerPool, link: "_Link", code: grpc.StatusCode, close: bool = False) -> None:
         """`link`'s session is gone: give its slot back and tell the pool. NOT_FOUND means
         the server answered (restarted, evicted, expired): no backoff, only a model re-check."""
         server = link.server
         if close:
-            self._close_quietly(server.stub, link.session_id)
+            await self._close_quietly(server.astub, link.session_id)
         pool.release(server)
         pool.failed(server, immediate=code == grpc.StatusCode.NOT_FOUND)
         link.server, link.info, link.session_id, link.kv, link.lost_from = None, None, None, [], server
 
-    def _end(self, pool: ServerPool, link: "_Link") -> None:
+    async def _end_verifier(self, link: "_Link") -> None:
         if link.session_id is not None:
-            if pool is self.drafters:
-                # In the background: the generation is over, and a drafter on cores a busy verifier
-                # holds may answer late; close() waits for these.
-                future = link.server.stub.CloseSession.future(pb.CloseSessionRequest(session_id=link.session_id),
-                                                              timeout=min(self.timeout_s, 5.0))
-                with self._closing_lock:
-                    self._closing = [f for f in self._closing if not f.done()] + [future]
-            else:
-                self._close_quietly(link.server.stub, link.session_id)
-            pool.release(link.server)
+            server, session_id = link.server, link.session_id
             link.server, link.session_id = None, None
+            try:
+                await self._close_quietly(server.astub, session_id)
+            finally:
+                self.verifiers.release(server)
 
-    def _close_quietly(self, stub, session_id: str) -> None:
+    def _end_drafter(self, link: "_Link") -> None:
+        """In the background: the generation is over, and a drafter on cores a busy verifier
+        holds may answer late; close() waits for these."""
+        if link.session_id is not None:
+            server, session_id = link.server, link.session_id
+            link.server, link.session_id = None, None
+            self.drafters.release(server)
+            self._background(lambda: self._close_quietly(server.astub, session_id))
+
+    async def _close_quietly(self, stub, session_id: str) -> None:
         try:
-            stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=min(self.timeout_s, 5.0))
+            await stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=min(self.timeout_s, 5.0))
         except grpc.RpcError as exc:  # the session expires on the server anyway
             # After a restart or an eviction the session is simply gone: nothing to report.
             expected = exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
@@ -851,7 +991,20 @@ class _Generation:
     counted_on: ServingCosts  # the load model that counts this generation as running (begin / end)
     drafter_context: int  # drafts end at the drafter's max_context
     shared_cpu: bool  # both engines on CPUs: a drafter prefill beside the verifier's only shares cores
-    finished: bool = False  # its sessions are closed (_finish ran)
+
+
+def _drain(get: Callable[[], object]) -> None:
+    """Read a generation's items up to its _END: its sessions are closed by then."""
+    try:
+        while get() is not _END:
+            pass
+    except queue.Empty:
+        log.warning("a generation's sessions did not close within %.0f s", _CLOSE_WAIT_S)
+
+
+async def _adrain(items: asyncio.Queue) -> None:
+    while await items.get() is not _END:
+        pass
 
 
 def _check_gamma(value: int | str) -> int | str:

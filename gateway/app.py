@@ -1,8 +1,8 @@
 """The FastAPI application: OpenAI's /v1/completions, /v1/chat/completions and /v1/models,
 plus /health, /metrics and /version (as vLLM's server), over one `Upstream` (the speculative client).
 
-A request is validated (pydantic, then SamplingParams), tokenized, and queued on worker
-threads, a generation per choice (n per prompt); the handler waits for every choice's first
+A request is validated (pydantic, then SamplingParams), tokenized, and started as tasks that
+read the client's chunks, a generation per choice (n per prompt); the handler waits for every choice's first
 round before it answers, so a verifier that is down is a 503 rather than a 200 stream with
 an error in it. After that a stream sends one SSE event per round that produced text, the
 choices' events interleaved as they arrive. Whichever way the client leaves (a closed
@@ -82,7 +82,7 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
         finally:
             connecting.cancel()
             upstream.stop_connecting()
-            await asyncio.to_thread(upstream.close)
+            await upstream.close()
 
     app = FastAPI(title="specdec OpenAI-compatible gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.upstream, app.state.metrics = upstream, metrics

@@ -25,7 +25,7 @@ class GatewayMetrics:
         r = self.registry
         self.requests = Counter("specdec_gateway_requests", "HTTP requests answered, by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
-        self.running = Gauge("specdec_gateway_requests_running", "generations in flight or waiting for a worker",
+        self.running = Gauge("specdec_gateway_requests_running", "generations in flight or waiting for a slot",
                              registry=r)
         self.e2e = Histogram("specdec_gateway_e2e_request_latency_seconds",
                              "request arrival to its last token (completed generations)", ["endpoint"],

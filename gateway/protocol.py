@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
-MAX_CHOICES = 64  # generations one request may start (prompts x n): each holds a worker and a session
+MAX_CHOICES = 64  # generations one request may start (prompts x n): each holds a slot and a session
 
 
 class APIError(Exception):

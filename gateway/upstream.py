@@ -6,11 +6,12 @@ variables, and concurrent generations only read its tokenizer to decode (what `b
 serve`'s threads already do). Encoding goes through one lock here, because a fast
 tokenizer's Rust object may refuse concurrent calls that touch its settings.
 
-The client is synchronous gRPC, so each generation runs on a worker thread of a bounded
-pool (`max_concurrent_requests`; more requests wait for a thread) and hands its chunks to
-the event loop through an asyncio queue. Cancelling a `Generation` (the HTTP client went
-away) stops its thread after the round in flight and closes the generator, whose
-`finally` closes both upstream sessions at once instead of leaving them to the TTL.
+The client runs every generation's rounds on its own event loop (`grpc.aio`); each
+request's generation is a task here that reads the client's `astream`, at most
+`max_concurrent_requests` at once (more requests wait for a slot), and hands its chunks to
+the handler through an asyncio queue: no thread per request, no thread wake-up per round.
+Cancelling a `Generation` (the HTTP client went away) ends the generation in the client,
+which closes both upstream sessions at once instead of leaving them to the TTL.
 
 The upstream may be down when the gateway starts (compose restarts, a verifier still
 loading): `connect_forever` keeps trying in the background, and /health answers 503 with
@@ -26,7 +27,6 @@ import asyncio
 import contextlib
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -92,30 +92,23 @@ _END = object()
 
 @dataclass(eq=False)
 class Generation:
-    """One request's generation on a worker thread; its chunks arrive through `next()`."""
+    """One request's generation: a task on the gateway's loop; its chunks arrive through `next()`."""
 
-    loop: asyncio.AbstractEventLoop
     on_stale: Callable[[IncompatibleModels], None] | None = None  # every verifier serves another model now
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    _stop: threading.Event = field(default_factory=threading.Event)
+    _task: asyncio.Task | None = None
 
-    def run(self, client: SpeculativeClient, prompt_ids: list[int], params: SamplingParams,
-            gamma: int | str, fanout: int) -> None:
-        """The worker thread's body."""
-        if self._stop.is_set():  # cancelled while it waited for a thread
-            self._put(_END)
-            return
-        stream = client.stream(prompt_ids, params, num_speculative_tokens=gamma, fanout=fanout)
+    async def run(self, client: SpeculativeClient, prompt_ids: list[int], params: SamplingParams,
+                  gamma: int | str, fanout: int, slots: asyncio.Semaphore) -> None:
+        """The task's body: waits for a slot, then relays the client's chunks."""
         try:
-            for chunk in stream:
-                if self._stop.is_set():
-                    break
-                self._put(chunk)
-        except Exception as exc:  # noqa: BLE001 - handed to the request's task
-            self._put(exc)
+            async with slots:
+                async for chunk in client.astream(prompt_ids, params, num_speculative_tokens=gamma, fanout=fanout):
+                    self._queue.put_nowait(chunk)
+        except Exception as exc:  # noqa: BLE001 - handed to the request's handler
+            self._queue.put_nowait(exc)
         finally:
-            stream.close()  # the generator's finally closes both sessions now
-            self._put(_END)
+            self._queue.put_nowait(_END)
 
     async def next(self) -> StreamChunk | None:
         """The next round's chunk; None after the last one. Raises the generation's error."""
@@ -130,14 +123,9 @@ class Generation:
         return item
 
     def cancel(self) -> None:
-        """Stop after the round in flight; the worker closes the upstream sessions."""
-        self._stop.set()
-
-    def _put(self, item: object) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: the gateway is shutting down, nobody reads
-            pass
+        """End the generation; the client closes its upstream sessions."""
+        if self._task is not None:
+            self._task.cancel()
 
 
 class Upstream:
@@ -148,8 +136,7 @@ class Upstream:
         self.last_error: str | None = "not connected yet"
         self._factory = client_factory or _make_client
         self._encode_lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=config.max_concurrent_requests,
-                                            thread_name_prefix="gateway-gen")
+        self._slots: asyncio.Semaphore | None = None  # max_concurrent_requests; made on the loop
         self._generations: set[Generation] = set()
         # Not bound to a loop until first awaited (Python >= 3.10): the app may build this object
         # before uvicorn starts its loop.
@@ -157,6 +144,7 @@ class Upstream:
         self._waiter_arrived = asyncio.Event()  # cuts the connection loop's backoff short
         self._waiting = 0  # requests in wait_ready now
         self._reconnect: asyncio.Future | None = None  # connect_forever after a redeploy (_stale)
+        self._closing: asyncio.Future | None = None  # the replaced client's close() (_stale)
 
     # ---- connection ---------------------------------------------------------------------------
 
@@ -272,15 +260,17 @@ class Upstream:
         return self.require().tokenizer.decode([token_id])
 
     def start(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        """Queue a generation on the worker pool; read it with `next()`, `cancel()` when done."""
+        """Start a generation (it waits for a slot); read it with `next()`, `cancel()` when done."""
         client = self.require()
-        gen = Generation(asyncio.get_running_loop(), on_stale=lambda exc: self._stale(client, exc))
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.config.max_concurrent_requests)
+        gen = Generation(on_stale=lambda exc: self._stale(client, exc))
         self._generations.add(gen)
         # A seeded request reproduces under "auto" too: the client derives its γ schedule from its
         # own rounds only (specdec/adaptive.py, AdaptiveGamma.deterministic).
         gamma = self.config.num_speculative_tokens if client.drafters is not None else 0  # no drafter: target-only
-        future = self._executor.submit(gen.run, client, prompt_ids, params, gamma, self.config.fanout)
-        future.add_done_callback(lambda _: self._generations.discard(gen))
+        gen._task = asyncio.ensure_future(gen.run(client, prompt_ids, params, gamma, self.config.fanout, self._slots))
+        gen._task.add_done_callback(lambda _: self._generations.discard(gen))
         return gen
 
     def running(self) -> int:
@@ -301,15 +291,16 @@ class Upstream:
         self.client, self.last_error = None, f"reconnecting: {exc}"
         self._ready.clear()
         self._reconnect = asyncio.ensure_future(self.connect_forever())  # held: a task only weakly referenced may vanish
-        self._executor.submit(client.close)  # its generations are failing anyway; frees its channels
+        self._closing = asyncio.ensure_future(asyncio.to_thread(client.close))  # its generations fail anyway
 
-    def close(self) -> None:
-        """Stop every generation after its round (closing its sessions), then the channels."""
-        for gen in list(self._generations):
-            gen.cancel()
-        self._executor.shutdown(wait=True, cancel_futures=False)
+    async def close(self) -> None:
+        """End every generation (closing its sessions), then the client's channels."""
+        tasks = [gen._task for gen in self._generations if gen._task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self.client is not None:
-            self.client.close()
+            await asyncio.to_thread(self.client.close)
 
 
 def _make_client(config: UpstreamConfig) -> SpeculativeClient:

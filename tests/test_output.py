@@ -100,3 +100,29 @@ def test_logprobs_are_kept_for_committed_tokens_only(tokenizer):
     entries = [{"token_id": t, "logprob": -0.5, "rank": 1, "top_logprobs": {t: -0.5}} for t in ids]
     chunk = out.commit(ids, entries, now=1.0)
     assert chunk.logprobs == entries[:2] == out.result.logprobs
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_incremental_detokenization_streams_exactly_the_text_of_the_whole_sequence(tokenizer, seed):
+    """Rounds of 1-5 random tokens (byte tokens that split UTF-8 characters included, and
+    special tokens): the chunks concatenate to the full sequence's decode, and every round's
+    text so far is a prefix of it (nothing streamed is ever taken back)."""
+    import random
+
+    rng = random.Random(seed)
+    vocab = len(tokenizer)
+    ids = [rng.randrange(vocab) for _ in range(300)]
+    ids += _ids(tokenizer, " ünïcödé 日本語 🙂 done")  # multi-byte characters over several tokens
+    out = _processor(tokenizer, max_tokens=len(ids), ignore_eos=True)
+    rounds, i = [], 0
+    while i < len(ids):
+        n = rng.randint(1, 5)
+        rounds.append(ids[i:i + n])
+        i += n
+    chunks = _rounds(out, rounds)
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    streamed = ""
+    for chunk in chunks:
+        streamed += chunk.text
+        assert full.startswith(streamed)
+    assert out.finished and streamed == full == out.result.text

@@ -5,6 +5,7 @@ another server is re-prefilled and greedy output stays token-identical to target
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import socket
 import threading
@@ -82,15 +83,17 @@ def test_a_server_holding_all_the_sessions_it_admits_is_not_picked_and_a_release
         pool.succeeded(server, SimpleNamespace(max_sessions=capacity))
     held = [pool.pick() for _ in range(3)]
     assert sorted(s.address for s in held) == ["h0:1", "h1:1", "h1:1"] and pool.full()
-    assert pool.pick() is None and not pool.wait_for_room(0.05)
-    waiter = threading.Thread(target=lambda: woke.append(pool.wait_for_room(30)))
-    woke: list[bool] = []
-    waiter.start()
-    time.sleep(0.1)
-    assert not woke  # still waiting
-    pool.release(held[0])
-    waiter.join(10)
-    assert woke == [True] and not pool.full() and pool.pick() is held[0]
+    assert pool.pick() is None and not asyncio.run(pool.wait_for_room(0.05))
+
+    async def wait_while_one_ends() -> tuple[bool, bool]:
+        waiter = asyncio.ensure_future(pool.wait_for_room(30))
+        await asyncio.sleep(0.1)
+        waited = not waiter.done()  # still waiting
+        pool.release(held[0])
+        return waited, await asyncio.wait_for(waiter, 10)
+
+    assert asyncio.run(wait_while_one_ends()) == (True, True)
+    assert not pool.full() and pool.pick() is held[0]
     pool.succeeded(pool.servers[0], SimpleNamespace(max_sessions=0))  # 0: the server does not say
     assert pool.pick().address == "h0:1"
 

@@ -4,6 +4,8 @@ sent as a unary Verify, and fail alone."""
 
 from __future__ import annotations
 
+import asyncio
+
 import queue
 import threading
 import time
@@ -310,8 +312,6 @@ def test_the_batcher_falls_back_on_an_older_verifier(verifier_proc, knows):
     pb_grpc.add_VerifierServicer_to_server(OldVerifier(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    batcher = VerifyBatcher(pb_grpc.VerifierStub(channel))
     greedy = pb.SamplingParams(temperature=0.0)
 
     def rounds(verify) -> list[int]:
@@ -327,13 +327,24 @@ def test_the_batcher_falls_back_on_an_older_verifier(verifier_proc, knows):
         finally:
             upstream.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
 
+    async def through_the_batcher() -> tuple[list[int], str]:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")  # the batcher lives on the client's event loop
+        batcher = VerifyBatcher(pb_grpc.VerifierStub(channel))
+        try:
+            loop = asyncio.get_running_loop()
+            # rounds() blocks: it runs on a worker thread and hands each round to this loop.
+            tokens = await asyncio.to_thread(rounds, lambda req, timeout: asyncio.run_coroutine_threadsafe(
+                batcher.verify(req, timeout), loop).result())
+            return tokens, batcher._front
+        finally:
+            batcher.close()
+            await channel.close()
+
     try:
-        via_batcher = rounds(batcher.verify)
-        assert batcher._front == ("unary" if knows == "Verify" else "batch")  # it found out and went on
+        via_batcher, front = asyncio.run(through_the_batcher())
+        assert front == ("unary" if knows == "Verify" else "batch")  # it found out and went on
         direct = rounds(lambda req, timeout: upstream.Verify(req, timeout=timeout))
     finally:
-        batcher.close()
-        channel.close()
         server.stop(0)
         upstream_channel.close()
     assert via_batcher == direct and len(direct) == 4
