@@ -159,15 +159,15 @@ class SpeculativeClient:
             drafters = parse_addresses(drafter, "drafter")
             self.drafters = pool("drafter", drafters, pb_grpc.DrafterStub) if drafters else None
             self._on_loop(connect())
+            self.tokenizer = tokenizer or load_tokenizer(ModelSpec(model=self.verifier_info.tokenizer_source))
+            if tokenizer_fingerprint(self.tokenizer) != self.verifier_info.tokenizer_fingerprint:
+                raise IncompatibleModels(
+                    f"the client's tokenizer differs from the verifier's ({self.verifier_info.model}); "
+                    "pass the verifier's tokenizer"
+                )
         except BaseException:
             self.close()
             raise
-        self.tokenizer = tokenizer or load_tokenizer(ModelSpec(model=self.verifier_info.tokenizer_source))
-        if tokenizer_fingerprint(self.tokenizer) != self.verifier_info.tokenizer_fingerprint:
-            raise IncompatibleModels(
-                f"the client's tokenizer differs from the verifier's ({self.verifier_info.model}); "
-                "pass the verifier's tokenizer"
-            )
 
     def _on_loop(self, coro):
         """Run `coro` on the client's loop and wait for its result (from any other thread)."""
@@ -292,9 +292,9 @@ class SpeculativeClient:
         a `stream` not iterated to its end), then the channels and the client's loop."""
         if self._closed:
             return
-        self._closed = True
         if threading.current_thread() is self._thread:
             raise RuntimeError("SpeculativeClient.close() was called on the client's own event loop")
+        self._closed = True
         try:
             self._on_loop(self._aclose())
         finally:

@@ -1,10 +1,10 @@
 """The speculative client behind the gateway, and how the event loop drives it.
 
-One `SpeculativeClient` (its channels and server pools) serves every request of the
-process: its pools are locked, each generation's rounds keep their state in local
-variables, and concurrent generations only read its tokenizer to decode (what `bench
-serve`'s threads already do). Encoding goes through one lock here, because a fast
-tokenizer's Rust object may refuse concurrent calls that touch its settings.
+One `SpeculativeClient` (its channels, server pools and event loop) serves every request
+of the process: each generation's rounds keep their state in local variables, and only
+decode with the shared tokenizer, on the client's loop. Encoding runs on worker threads
+through one lock here, because a fast tokenizer's Rust object may refuse concurrent calls
+that touch its settings.
 
 The client runs every generation's rounds on its own event loop (`grpc.aio`); each
 request's generation is a task here that reads the client's `astream`, at most

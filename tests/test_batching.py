@@ -216,16 +216,18 @@ def test_onednn_linears_match_the_mkl_path_greedily(target_lm):
     assert outs[0][1] == outs[1][1]
 
 
-def test_evicted_session_is_reprefilled_and_the_output_is_unchanged():
-    """--max-sessions 2 and another client opening sessions while ours pauses between
-    rounds: ours is evicted (LRU), gets NOT_FOUND 'evicted', re-opens, re-prefills the
-    committed tokens, and its greedy output equals the undisturbed one."""
+def test_evicted_session_is_reprefilled_and_the_output_is_unchanged(drafter_proc):
+    """--max-sessions 2 and another client opening a session every 2 ms: while the drafter
+    drafts, our verifier session is idle and the least recently used, so it is evicted, gets
+    NOT_FOUND 'evicted', re-opens, re-prefills the committed tokens, and the greedy output
+    equals the undisturbed one. (The rounds run ahead of the caller, so idle time between
+    rounds has to come from the rounds themselves: here, the drafts.)"""
     from client.speculative import SpeculativeClient
 
     svc = start_service("verifier", ["--max-sessions", "2", "--log-level", "WARNING"], threads=1)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-        with SpeculativeClient(svc.address) as c:
+        with SpeculativeClient(svc.address, drafter=drafter_proc.address, num_speculative_tokens=4) as c:
             expected = c.generate(PROMPTS[4], params, target_only=True).token_ids
             stop = threading.Event()
 
@@ -237,15 +239,12 @@ def test_evicted_session_is_reprefilled_and_the_output_is_unchanged():
                             stub.OpenSession(pb.OpenSessionRequest(), timeout=10)
                         except grpc.RpcError:
                             pass  # RESOURCE_EXHAUSTED while both sessions are busy
-                        time.sleep(0.02)
+                        time.sleep(0.002)
 
             churner = threading.Thread(target=churn)
             churner.start()
             try:
-                chunks = []
-                for chunk in c.stream(PROMPTS[4], params, target_only=True):
-                    chunks.append(chunk)
-                    time.sleep(0.15)  # idle between rounds: the least recently used session
+                chunks = list(c.stream(PROMPTS[4], params))
             finally:
                 stop.set()
                 churner.join()
