@@ -248,7 +248,7 @@ class _Stream:
             exc = e
         except asyncio.CancelledError:
             exc = BatchEntryError(grpc.StatusCode.CANCELLED, "the client closed the stream")
-        except BaseException as e:  # noqa: BLE001 - never leave a generation waiting
+        except Exception as e:  # noqa: BLE001 - never leave a generation waiting
             log.exception("VerifyStream reader failed")
             exc = BatchEntryError(grpc.StatusCode.INTERNAL, f"VerifyStream reader failed: {e!r}")
         self.ended = True

@@ -313,10 +313,14 @@ class SpeculativeClient:
             batcher.close()
         if self._tasks:  # drafter sessions closing in the background: let them finish
             await asyncio.wait(list(self._tasks), timeout=5.0)
-        for task in list(self._tasks):
-            task.cancel()
         for ch in self._aio_channels:
             await ch.close()
+        # What is left (streams' readers and writers, gRPC's own tasks, a late drafter's probe)
+        # ends here, as asyncio.run ends a loop's tasks, not destroyed pending with the loop.
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in rest:
+            task.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
 
     def __enter__(self) -> "SpeculativeClient":
         return self

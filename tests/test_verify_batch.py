@@ -348,3 +348,50 @@ def test_the_batcher_falls_back_on_an_older_verifier(verifier_proc, knows):
         server.stop(0)
         upstream_channel.close()
     assert via_batcher == direct and len(direct) == 4
+
+
+def test_astream_from_another_loop_matches_the_blocking_api_and_close_leaves_no_task(verifier_proc, drafter_proc):
+    """The client's async API, from a caller's own event loop: four concurrent greedy
+    generations give what `generate` gives; a caller that stops reading after two chunks ends
+    its generation with both sessions closed; and close() leaves no task pending on the
+    client's loop (a VerifyStream's reader and writer included)."""
+    from client.speculative import SpeculativeClient
+    from specdec.sampling import SamplingParams
+
+    prompts = ["The capital of France is", "Write a haiku about rain.", "List three prime numbers:",
+               "Why is the sky blue?"]
+    sp = SamplingParams(temperature=0.0, max_tokens=16)
+    stub = pb_grpc.VerifierStub(grpc.insecure_channel(verifier_proc.address))
+
+    def live() -> int:
+        return stub.GetStats(pb.StatsRequest(), timeout=10).live_sessions
+
+    client = SpeculativeClient(verifier_proc.address, drafter=drafter_proc.address, num_speculative_tokens=3,
+                               batch_verify=True)
+    try:
+        blocking = [client.generate(p, sp).token_ids for p in prompts]
+        before = live()
+
+        async def caller() -> tuple[list[list[int]], int]:
+            results = await asyncio.gather(*(client.agenerate(p, sp) for p in prompts))
+            chunks = client.astream(prompts[0], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+            async for i, _ in _aenumerate(chunks):
+                if i == 1:
+                    break
+            await chunks.aclose()  # returns once the generation's sessions are closed
+            return [r.token_ids for r in results], live()
+
+        concurrent, after_stop = asyncio.run(caller())
+        assert concurrent == blocking
+        assert after_stop == before
+        assert [b._front for b in client._batchers.values()] == ["stream"]
+    finally:
+        client.close()
+    assert not asyncio.all_tasks(client._loop) and client._loop.is_closed()
+
+
+async def _aenumerate(items):
+    i = 0
+    async for item in items:
+        yield i, item
+        i += 1
