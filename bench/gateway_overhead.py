@@ -41,8 +41,9 @@ class _StubClient:
     def encode_prompt(self, prompt, chat: bool = False) -> list[int]:
         return list(self.tokenizer(prompt, add_special_tokens=False).input_ids) if isinstance(prompt, str) else prompt
 
-    def encode_chat(self, messages) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    def encode_chat(self, messages, add_generation_prompt: bool = True, **template_options) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True, **template_options)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     async def astream(self, prompt_ids, params: SamplingParams, **_):
@@ -68,7 +69,7 @@ def _serve(port: int, tokens_per_round: int) -> None:
     from gateway.upstream import Upstream, UpstreamConfig
 
     logging.basicConfig(level=logging.WARNING)
-    config = GatewayConfig(upstream=UpstreamConfig(verifier="stub"))
+    config = GatewayConfig(upstream=UpstreamConfig(verifier="stub:1"))
     upstream = Upstream(config.upstream, client_factory=lambda _: _StubClient(tokens_per_round))
     serve(config, "127.0.0.1", port, log_level="warning", upstream=upstream)
 
