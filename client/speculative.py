@@ -2,10 +2,11 @@
 
 Every generation of a client runs on the client's one event loop (a thread it owns), over
 `grpc.aio` channels: a round is a coroutine that awaits its Draft and its Verify, so
-dozens of concurrent generations cost no thread each and no thread wake-up per round (half
-of a threaded client's CPU per round). `generate` and `stream` are the blocking API, for
-any thread; `agenerate` and `astream` serve callers on another event loop (the gateway,
-`bench serve`). Chunks cross to the caller through a queue; the rounds never wait for it.
+dozens of concurrent generations cost no thread each and no thread wake-up per round (a
+quarter to a third of a threaded client's CPU per round). `generate` and `stream` are the
+blocking API, for any thread; `agenerate` and `astream` serve callers on another event
+loop (the gateway, `bench serve`). Chunks cross to the caller through a queue; the
+rounds never wait for it.
 
 KV bookkeeping lives here. The client remembers which tokens each service's cache
 holds (`_Link.kv`); each round it asks each service to keep the
@@ -420,21 +421,35 @@ class SpeculativeClient:
 
     def stream(self, prompt: str | Sequence[int] | Sequence[dict], params: SamplingParams = SamplingParams(),
                **options) -> Iterator[StreamChunk]:
-        """`_stream`'s chunks (see there), for a caller on any thread but the client's loop.
+        """Yield the tokens committed by each round; the last chunk carries the result. For a
+        caller on any thread but the client's loop, whose rounds run ahead of the reading.
         Stopping early (closing the iterator) ends the generation and waits for its sessions
-        to close."""
+        to close.
+
+        options: num_speculative_tokens (γ, or "auto": adaptive γ in [0, 8] per round, see
+        specdec/adaptive.py; with `params.seed` the schedule follows from this generation's own
+        rounds, so the same seed gives the same output under any load); target_only; chat
+        (text through the chat template); fanout (this generation's speculation-cache fanout).
+
+        The first round never drafts: the verifier prefills the prompt and answers the first
+        token as fast as target-only decoding. The drafter prefills when drafts are first
+        wanted, in the background while target-only rounds go on ("auto"; a fixed γ and a
+        seeded request wait for it, so that their rounds, hence their output, reproduce)."""
         items: queue.SimpleQueue = queue.SimpleQueue()
         cancel = self._pump(self._stream(prompt, params, **options), items.put)
-        while (item := items.get()) is not _END:
-            if isinstance(item, BaseException):
-                _drain(items.get)
-                raise item
-            try:
+        ended = False
+        try:
+            while (item := items.get()) is not _END:
+                if isinstance(item, BaseException):
+                    ended = True
+                    _drain(items.get)
+                    raise item
                 yield item
-            except GeneratorExit:
+            ended = True
+        finally:
+            if not ended:  # closed early (or interrupted): end the generation, let its sessions close
                 cancel()
                 _drain(lambda: items.get(timeout=_CLOSE_WAIT_S))
-                raise
 
     async def astream(self, prompt: str | Sequence[int] | Sequence[dict],
                       params: SamplingParams = SamplingParams(), **options) -> AsyncIterator[StreamChunk]:
@@ -505,16 +520,7 @@ class SpeculativeClient:
         chat: bool = False,
         fanout: int | None = None,
     ) -> AsyncIterator[StreamChunk]:
-        """Yield the tokens committed by each round; the last chunk carries the result.
-        num_speculative_tokens: γ, or "auto" (adaptive γ in [0, 8] per round, see
-        specdec/adaptive.py; with `params.seed` the schedule follows from this generation's own
-        rounds, so the same seed gives the same output under any load); fanout: this
-        generation's speculation-cache fanout.
-
-        The first round never drafts: the verifier prefills the prompt and answers the first
-        token as fast as target-only decoding. The drafter prefills when drafts are first
-        wanted, in the background while target-only rounds go on ("auto"; a fixed γ and a
-        seeded request wait for it, so that their rounds, hence their output, reproduce)."""
+        """`stream`'s chunks, on the client's loop: checks the request, then runs the rounds."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         gamma_max = self.num_speculative_tokens if num_speculative_tokens is None else _check_gamma(num_speculative_tokens)
@@ -569,7 +575,7 @@ class SpeculativeClient:
             await self._finish(gen)
 
     async def _start(self, prompt_ids: list[int], params: SamplingParams, gamma_max: int,
-               controller: AdaptiveGamma | None, fanout: int) -> "_Generation":
+                     controller: AdaptiveGamma | None, fanout: int) -> "_Generation":
         """A generation's state, with its verifier session open (the drafter's opens when drafts
         are first wanted: a generation that never drafts never waits for the drafter)."""
         t0 = time.perf_counter()
@@ -886,6 +892,9 @@ class SpeculativeClient:
                 log.error("%s %s no longer fits the pool (%s); it is left out from here", pool.role, server.address,
                           exc)
                 continue
+            except BaseException:  # cancelled (the caller left, the client closes): the slot goes back
+                pool.release(server)
+                raise
             pool.succeeded(server, info)
             link.server, link.info, link.session_id, link.kv = server, info, session_id, []
             break
@@ -912,12 +921,12 @@ class SpeculativeClient:
     async def _lose(self, pool: ServerPool, link: "_Link", code: grpc.StatusCode, close: bool = False) -> None:
         """`link`'s session is gone: give its slot back and tell the pool. NOT_FOUND means
         the server answered (restarted, evicted, expired): no backoff, only a model re-check."""
-        server = link.server
-        if close:
-            await self._close_quietly(server.astub, link.session_id)
+        server, session_id = link.server, link.session_id
         pool.release(server)
         pool.failed(server, immediate=code == grpc.StatusCode.NOT_FOUND)
         link.server, link.info, link.session_id, link.kv, link.lost_from = None, None, None, [], server
+        if close:
+            await self._close_quietly(server.astub, session_id)
 
     async def _end_verifier(self, link: "_Link") -> None:
         if link.session_id is not None:
