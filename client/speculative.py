@@ -49,7 +49,8 @@ from specdec_rpc.adapters import (
 )
 from specdec_rpc.ops import TLSFiles, bearer_metadata, open_aio_channel, open_channel
 
-__all__ = ["GenerationResult", "IncompatibleModels", "SpeculativeClient", "StreamChunk", "check_compatible"]
+__all__ = ["ClientClosed", "GenerationResult", "IncompatibleModels", "SpeculativeClient", "StreamChunk",
+           "check_compatible"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,10 @@ _CLOSE_WAIT_S = 10.0  # how long a caller that stops reading waits for the gener
 
 class IncompatibleModels(ValueError):
     """The drafter and verifier (or the client's tokenizer) do not share a vocabulary."""
+
+
+class ClientClosed(RuntimeError):
+    """The client was closed before or while the generation ran: its output is incomplete."""
 
 
 def _lcp(cached: Sequence[int], committed: Sequence[int], limit: int) -> int:
@@ -483,7 +488,7 @@ class SpeculativeClient:
         """Run a generation on the client's loop, handing each chunk, then its error if any, then
         _END to `put` (also when it is cancelled before it starts). Returns what cancels it."""
         if self._closed:
-            raise RuntimeError("the client is closed")
+            raise ClientClosed("the client is closed")
         task: list[asyncio.Task] = []
 
         async def pump() -> None:
@@ -493,7 +498,7 @@ class SpeculativeClient:
         def done(t: asyncio.Task) -> None:
             self._pumps.discard(t)
             if t.cancelled():
-                put(RuntimeError("the generation was cancelled (the client is closing, or its caller stopped)"))
+                put(ClientClosed("the generation was cancelled: the client is closing (or its caller stopped)"))
             elif t.exception() is not None:
                 put(t.exception())
             put(_END)
@@ -865,7 +870,12 @@ class SpeculativeClient:
                 if info is None:
                     info = model_info_from_pb(await server.astub.GetModelInfo(pb.ModelInfoRequest(), timeout=short))
                     check(info)
-                opened = await server.astub.OpenSession(pb.OpenSessionRequest(), timeout=short)
+                opening = asyncio.ensure_future(server.astub.OpenSession(pb.OpenSessionRequest(), timeout=short))
+                try:
+                    opened = await asyncio.shield(opening)
+                except asyncio.CancelledError:  # the server may open it anyway: close it once it answers
+                    self._background(lambda: self._close_when_open(server, opening))
+                    raise
                 if opened.instance_id and info.instance_id and opened.instance_id != info.instance_id:
                     # Restarted since its model was checked, between this client's calls (a redeploy,
                     # perhaps of another model): check what it serves now before using the session.
@@ -945,6 +955,13 @@ class SpeculativeClient:
             link.server, link.session_id = None, None
             self.drafters.release(server)
             self._background(lambda: self._close_quietly(server.astub, session_id))
+
+    async def _close_when_open(self, server: Server, opening: asyncio.Future) -> None:
+        try:
+            opened = await opening
+        except grpc.RpcError:
+            return
+        await self._close_quietly(server.astub, opened.session_id)
 
     async def _close_quietly(self, stub, session_id: str) -> None:
         try:

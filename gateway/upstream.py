@@ -34,7 +34,7 @@ import anyio
 import grpc
 
 from client.pool import parse_addresses
-from client.speculative import IncompatibleModels, SpeculativeClient, StreamChunk
+from client.speculative import ClientClosed, IncompatibleModels, SpeculativeClient, StreamChunk
 from gateway.protocol import APIError
 from specdec.sampling import SamplingParams
 from specdec_rpc import specdec_pb2 as pb
@@ -80,6 +80,8 @@ def upstream_error(exc: BaseException) -> APIError:
         return APIError(500, message, type="server_error", code="upstream_error")
     if isinstance(exc, IncompatibleModels):
         return APIError(503, str(exc), type="service_unavailable", code="upstream_incompatible")
+    if isinstance(exc, ClientClosed):  # the client was replaced (a redeploy) or the gateway is stopping
+        return APIError(503, str(exc), type="service_unavailable", code="upstream_unavailable")
     if isinstance(exc, TimeoutError):  # queued for a verifier session past timeout_s
         return APIError(503, str(exc), type="service_unavailable", code="upstream_full")
     if isinstance(exc, ValueError):

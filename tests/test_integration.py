@@ -11,7 +11,8 @@ import grpc
 import pytest
 import torch
 
-from client.speculative import IncompatibleModels, SpeculativeClient, check_compatible
+from client.speculative import ClientClosed, IncompatibleModels, SpeculativeClient, check_compatible
+from gateway.upstream import upstream_error
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.serving import ModelInfo
 from specdec_rpc import specdec_pb2 as pb
@@ -255,8 +256,10 @@ def test_cli_bad_argument_exits_nonzero_naming_it(flag, value):
 
 def test_closing_a_client_closes_the_sessions_of_a_stream_left_unfinished(drafter_proc, verifier_proc,
                                                                           verifier_stub, drafter_stub):
-    """A `stream` taken for one chunk and then abandoned (still referenced): close() ends its
-    sessions on both services, and the generator, resumed or collected later, raises nothing."""
+    """A `stream` taken for two chunks and then abandoned (still referenced): close() ends its
+    sessions on both services; the generator, closed later, raises nothing, and one resumed
+    says that its output is incomplete (ClientClosed), not that it ended. The gateway answers
+    that as 503."""
 
     def live() -> tuple[int, int]:
         return (verifier_stub.GetStats(pb.StatsRequest(), timeout=10).live_sessions,
@@ -268,9 +271,17 @@ def test_closing_a_client_closes_the_sessions_of_a_stream_left_unfinished(drafte
     next(stream)
     next(stream)  # a drafting round: the drafter holds a session too
     assert live()[0] == before[0] + 1
+    resumed = client.stream(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=32))
+    next(resumed)
     client.close()
     assert live() == before
     stream.close()  # its own end finds the sessions closed already
+    with pytest.raises(ClientClosed, match="cancelled"):
+        for _ in resumed:  # chunks made before close(), then the error
+            pass
+    assert upstream_error(ClientClosed("closing")).status == 503
+    with pytest.raises(ClientClosed, match="closed"):
+        next(client.stream(PROMPTS[0]))
 
 
 def test_random_model_refuses_an_out_path_that_is_a_file(tmp_path):
