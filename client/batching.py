@@ -23,10 +23,11 @@ hold back every decode round batched with it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -59,11 +60,11 @@ class BatchEntryError(grpc.RpcError):
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
     request: pb.VerifyRequest
     deadline: float  # time.monotonic()
-    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    future: asyncio.Future
 
 
 class VerifyBatcher:
@@ -87,6 +88,7 @@ class VerifyBatcher:
         self._stream: _Stream | None = None
         self._latency_s = 0.0  # decayed latency of recent steps
         self._calls: set[asyncio.Task] = set()  # VerifyBatch / unary fallbacks in flight
+        self._loop: asyncio.AbstractEventLoop | None = None  # the client's, from the first round on
 
     async def verify(self, request: pb.VerifyRequest, timeout: float, expected: int = 1) -> pb.VerifyResponse:
         """The reply to `request`, as `await stub.Verify(request, timeout=timeout)` would give it;
@@ -94,36 +96,45 @@ class VerifyBatcher:
         this client's generations running on the verifier (the rounds worth waiting for)."""
         if len(request.append_token_ids) > UNARY_APPEND_TOKENS or self._front == "unary":
             return await self._stub.Verify(request, timeout=timeout)
-        item = _Pending(request, time.monotonic() + timeout)
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        item = _Pending(request, time.monotonic() + timeout, loop.create_future())
         self._pending.append(item)
         if len(self._pending) >= min(expected, MAX_ENTRIES):
             self._flush()
         elif self._linger is None:
             linger = min(max(LINGER_SHARE * self._latency_s, LINGER_BOUNDS_S[0]), LINGER_BOUNDS_S[1])
-            self._linger = asyncio.get_running_loop().call_later(linger, self._flush)
+            self._linger = loop.call_later(linger, self._flush)
+        # A stream has no deadline of its own: the round's is kept here. A round that times out
+        # (or whose caller is cancelled) is done, so the step's reply skips it.
+        expiry = loop.call_later(timeout, self._expire, item, timeout)
         try:
-            # A round that times out or is cancelled cancels its future: the step's reply skips it.
-            return await asyncio.wait_for(item.future, max(0.0, item.deadline - time.monotonic()))
-        except asyncio.TimeoutError:  # a stream has no deadline of its own: the round's is kept here
-            raise BatchEntryError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                  f"no reply from verifier {self._name} within {timeout:.1f} s") from None
+            return await item.future
+        finally:
+            expiry.cancel()
 
     def close(self) -> None:
         """End the stream: rounds still waiting on it fail CANCELLED (the server finishes their
         steps and lets their sessions go)."""
-        if self._linger is not None:
-            self._linger.cancel()
-            self._linger = None
+        self._cancel_linger()
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.close()
         for task in list(self._calls):
             task.cancel()
 
-    def _flush(self) -> None:
+    def _expire(self, item: _Pending, timeout: float) -> None:
+        _fail(item, BatchEntryError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"no reply from verifier {self._name} within {timeout:.1f} s"))
+
+    def _cancel_linger(self) -> None:
         if self._linger is not None:
             self._linger.cancel()
             self._linger = None
+
+    def _flush(self) -> None:
+        self._cancel_linger()
         batch, self._pending = self._pending, []
         for i in range(0, len(batch), MAX_ENTRIES):
             self._send(batch[i:i + MAX_ENTRIES])
@@ -204,7 +215,11 @@ class _Stream:
     unanswered to `on_end`."""
 
     def __init__(self, stub, name: str, on_end, on_reply, metadata: tuple = ()) -> None:
-        self._outbox: asyncio.Queue = asyncio.Queue()
+        # Messages for the writer task; None half-closes. A deque and a future of our own instead
+        # of an asyncio.Queue: each of its calls asks for the running loop (a getpid syscall).
+        self._outbox: collections.deque = collections.deque()
+        self._loop = asyncio.get_running_loop()
+        self._wake: asyncio.Future | None = None  # the idle writer waits on it
         self._tags = itertools.count(1)
         self._steps: dict[int, tuple[list[_Pending], float]] = {}  # tag -> (step, sent at)
         self.ended = False
@@ -218,16 +233,26 @@ class _Stream:
             return False
         tag = next(self._tags)
         self._steps[tag] = (batch, time.monotonic())
-        self._outbox.put_nowait(pb.VerifyBatchRequest(requests=[p.request for p in batch], tag=tag))
+        self._post(pb.VerifyBatchRequest(requests=[p.request for p in batch], tag=tag))
         return True
 
     def close(self) -> None:
-        self._outbox.put_nowait(None)  # half-close: the server answers the steps it has, then ends
+        self._post(None)  # half-close: the server answers the steps it has, then ends
         self._call.cancel()
+
+    def _post(self, message: pb.VerifyBatchRequest | None) -> None:
+        self._outbox.append(message)
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
 
     async def _write(self) -> None:
         try:
-            while (message := await self._outbox.get()) is not None:
+            while True:
+                while not self._outbox:
+                    self._wake = self._loop.create_future()
+                    await self._wake
+                if (message := self._outbox.popleft()) is None:
+                    break
                 await self._call.write(message)
             await self._call.done_writing()
         except (grpc.RpcError, asyncio.InvalidStateError):  # the stream broke: _read reports it
@@ -253,7 +278,7 @@ class _Stream:
             exc = BatchEntryError(grpc.StatusCode.INTERNAL, f"VerifyStream reader failed: {e!r}")
         self.ended = True
         unanswered, self._steps = [b for b, _ in self._steps.values()], {}
-        self._outbox.put_nowait(None)
+        self._post(None)
         self._on_end(unanswered, exc, answered)
 
 

@@ -303,6 +303,8 @@ class Upstream:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.client is not None:
             await asyncio.to_thread(self.client.close)
+        if self._closing is not None:  # a client replaced after a redeploy may still be closing
+            await asyncio.gather(self._closing, return_exceptions=True)
 
 
 def _make_client(config: UpstreamConfig) -> SpeculativeClient:

@@ -85,7 +85,8 @@ class LinearCost:
         return self._s[0]
 
     def add(self, x: float, t: float) -> None:
-        self._s = [self.decay * s + v for s, v in zip(self._s, (1.0, x, x * x, t, x * t))]
+        d, (w, sx, sxx, st, sxt) = self.decay, self._s  # every round of every generation adds one
+        self._s = [d * w + 1.0, d * sx + x, d * sxx + x * x, d * st + t, d * sxt + x * t]
 
     def fit(self) -> tuple[float, float]:
         w, sx, sxx, st, sxt = self._s

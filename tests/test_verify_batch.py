@@ -350,6 +350,63 @@ def test_the_batcher_falls_back_on_an_older_verifier(verifier_proc, knows):
     assert via_batcher == direct and len(direct) == 4
 
 
+def test_a_batched_round_past_its_deadline_fails_alone_and_the_stream_goes_on(verifier_proc, stub):
+    """A round on the client's VerifyStream whose deadline passes before its step's reply fails
+    DEADLINE_EXCEEDED at its deadline; the late reply is skipped, the stream stays up, and the
+    session's next rounds (truncated to what the client knew) give the unary rounds' tokens."""
+    from client.batching import VerifyBatcher
+
+    greedy = pb.SamplingParams(temperature=0.0)
+    prompt = PROMPTS[1]
+
+    def reference() -> list[int]:
+        sid = stub.OpenSession(pb.OpenSessionRequest(), timeout=30).session_id
+        try:
+            out = stub.Verify(pb.VerifyRequest(session_id=sid, append_token_ids=prompt, sampling=greedy), timeout=60)
+            seq = prompt + list(out.output_token_ids)
+            for _ in range(4):
+                out = stub.Verify(pb.VerifyRequest(session_id=sid, truncate_to=out.kv_length,
+                                                   append_token_ids=seq[out.kv_length:], sampling=greedy), timeout=60)
+                seq += list(out.output_token_ids)
+            return seq
+        finally:
+            stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+
+    async def through_the_batcher() -> tuple[list[int], float, str]:
+        channel = grpc.aio.insecure_channel(verifier_proc.address, options=CHANNEL_OPTIONS)
+        batcher = VerifyBatcher(pb_grpc.VerifierStub(channel))
+        sid = (await pb_grpc.VerifierStub(channel).OpenSession(pb.OpenSessionRequest(), timeout=30)).session_id
+        try:
+            first = await batcher.verify(pb.VerifyRequest(session_id=sid, append_token_ids=prompt,
+                                                          sampling=greedy), 60)
+            kv, seq = first.kv_length, prompt + list(first.output_token_ids)  # what the client knows
+            t0 = time.monotonic()  # a step with 8 junk drafts, given 1 ms
+            with pytest.raises(grpc.RpcError) as err:
+                await batcher.verify(pb.VerifyRequest(session_id=sid, truncate_to=kv, append_token_ids=seq[kv:],
+                                                      draft_token_ids=[(37 * j) % 4000 + 100 for j in range(8)],
+                                                      sampling=greedy), 0.001)
+            waited = time.monotonic() - t0
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await asyncio.sleep(0.5)  # the late reply arrives and is skipped
+            for _ in range(4):
+                out = await batcher.verify(pb.VerifyRequest(session_id=sid, truncate_to=kv, append_token_ids=seq[kv:],
+                                                            sampling=greedy), 60)
+                seq = seq + list(out.output_token_ids)
+                kv = out.kv_length
+            return seq, waited, batcher._front
+        finally:
+            await pb_grpc.VerifierStub(channel).CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+            batcher.close()
+            await channel.close()
+
+    live = stub.GetStats(pb.StatsRequest()).live_sessions
+    seq, waited, front = asyncio.run(through_the_batcher())
+    assert waited < 0.5  # failed at its own deadline, not at the step's reply or a default
+    assert front == "stream"  # the stream was not given up for one late round
+    assert seq == reference()
+    assert stub.GetStats(pb.StatsRequest()).live_sessions == live
+
+
 def test_astream_from_another_loop_matches_the_blocking_api_and_close_leaves_no_task(verifier_proc, drafter_proc):
     """The client's async API, from a caller's own event loop: four concurrent greedy
     generations give what `generate` gives; a caller that stops reading after two chunks ends

@@ -1,0 +1,87 @@
+"""Pure units of the client's per-round bookkeeping, no services: the common prefix that
+decides how far each side truncates, and the hand-over of chunks to another event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+from client.speculative import _lcp, _Mailbox
+
+
+def _lcp_reference(cached: list[int], committed: list[int], limit: int) -> int:
+    n = min(len(cached), len(committed), limit)
+    return next((i for i in range(n) if cached[i] != committed[i]), n)
+
+
+def test_common_prefix_matches_an_element_by_element_scan():
+    """Sequences that agree on a prefix and then differ anywhere (or not at all), of every
+    relative length, under every limit: the C-level comparison with its bisection gives the
+    element-by-element answer."""
+    rng = random.Random(0)
+    differ = 0
+    for _ in range(20000):
+        base = [rng.randrange(3) for _ in range(rng.randrange(40))]
+        cached = base[:rng.randint(0, len(base))] + [rng.randrange(3) for _ in range(rng.randrange(6))]
+        committed = base if rng.random() < 0.5 else base[:rng.randint(0, len(base))]
+        limit = rng.randrange(50)
+        expected = _lcp_reference(cached, committed, limit)
+        differ += expected < min(len(cached), len(committed), limit)
+        assert _lcp(cached, committed, limit) == expected, (cached, committed, limit)
+    assert differ > 2000  # the bisection path ran, not only the agreeing fast path
+
+
+def test_mailbox_hands_every_item_over_in_order_with_one_wakeup_per_burst():
+    """Items put from another thread reach each reader's queue in the order they were put, none
+    lost; a burst put while the readers' loop is busy costs one wake-up, not one per item."""
+    readers: dict[int, asyncio.Queue] = {}
+    got: dict[int, list[int]] = {i: [] for i in range(8)}
+    wakeups = 0
+    burst_done = threading.Event()
+
+    async def main() -> None:
+        nonlocal wakeups
+        loop = asyncio.get_running_loop()
+        for i in range(8):
+            readers[i] = asyncio.Queue()
+        mailbox = _Mailbox(loop)
+        deliver = mailbox._deliver
+
+        def counted() -> None:
+            nonlocal wakeups
+            wakeups += 1
+            deliver()
+
+        mailbox._deliver = counted
+
+        def producer() -> None:
+            for n in range(100):  # one burst of 800 items while the loop waits on burst_done
+                for i in range(8):
+                    mailbox.put(readers[i], n)
+            burst_done.set()
+            for n in range(100, 110):  # then items one at a time
+                for i in range(8):
+                    mailbox.put(readers[i], n)
+
+        thread = threading.Thread(target=producer)
+        thread.start()
+        await asyncio.to_thread(burst_done.wait)
+        for i in range(8):
+            while len(got[i]) < 110:
+                got[i].append(await asyncio.wait_for(readers[i].get(), 10))
+        thread.join()
+
+    asyncio.run(main())
+    assert all(got[i] == list(range(110)) for i in range(8))
+    assert wakeups <= 1 + 80  # the 800-item burst took one wake-up (at most one per later item)
+
+
+def test_mailbox_of_a_closed_loop_drops_items_instead_of_raising():
+    loop = asyncio.new_event_loop()
+    mailbox = _Mailbox(loop)
+    loop.close()
+    items: asyncio.Queue = asyncio.Queue()
+    mailbox.put(items, 1)  # nobody reads: dropped
+    mailbox.put(items, 2)
+    assert not mailbox._items
