@@ -951,11 +951,17 @@ class SpeculativeClient:
             await self._close_quietly(server.astub, session_id)
 
     async def _end_verifier(self, link: "_Link") -> None:
+        """Close the session and wait for it. A generation cancelled meanwhile (a caller that
+        stops reading at the last chunk, as the gateway does) stops waiting, not closing: the
+        close goes on in the background, where close() waits for it."""
         if link.session_id is not None:
             server, session_id = link.server, link.session_id
             link.server, link.session_id = None, None
+            closing = self._loop.create_task(self._close_quietly(server.astub, session_id))
+            self._tasks.add(closing)
+            closing.add_done_callback(self._tasks.discard)
             try:
-                await self._close_quietly(server.astub, session_id)
+                await asyncio.shield(closing)
             finally:
                 self.verifiers.release(server)
 

@@ -265,14 +265,21 @@ async def _race(request: Request, awaitable) -> object:
     try:
         done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
-        task.cancel()
+        _abandon(task)
         raise
     finally:
         watch.cancel()
     if task in done:
         return task.result()
-    task.cancel()
+    _abandon(task)
     raise _ClientGone
+
+
+def _abandon(task: asyncio.Future) -> None:
+    """Cancel `task`, whose outcome nobody will read: a cancelled gather() ends with an
+    exception that asyncio would otherwise log as never retrieved."""
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 async def _disconnected(request: Request) -> None:

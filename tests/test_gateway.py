@@ -380,6 +380,27 @@ def test_client_disconnect_mid_stream_closes_its_upstream_sessions(oai, model, v
     assert time.monotonic() - t0 < 15.0
 
 
+@pytest.mark.slow
+def test_streams_that_end_leave_no_session_and_an_abandoned_request_logs_no_error(oai, model, gateway, base_url,
+                                                                                  verifier_proc, drafter_proc):
+    """Streamed requests read to their end: the gateway ends each generation at its last chunk,
+    which must not cut the close of its sessions short (it left 1 in 4 open until the TTL).
+    A non-streamed request whose client gives up is cancelled without an ERROR in the log."""
+    baseline = _live_sessions(verifier_proc, drafter_proc)
+    for i in range(12):
+        text = "".join(c.choices[0].text for c in oai.completions.create(
+            model=model, prompt=CONCURRENT_PROMPTS[i], max_tokens=4, temperature=0, stream=True) if c.choices)
+        assert text
+    wait_for(lambda: _live_sessions(verifier_proc, drafter_proc) == baseline, 10.0, "sessions closed")
+    with pytest.raises(httpx.TimeoutException):
+        r = httpx.post(f"{base_url}/v1/completions", timeout=0.5, headers={"Authorization": f"Bearer {API_KEY}"},
+                       json={"model": model, "prompt": "Count from one to one thousand:", "max_tokens": 500,
+                             "temperature": 0, "ignore_eos": True})
+        pytest.fail(f"answered within 0.5 s: {r.status_code} {r.text[:300]}")
+    wait_for(lambda: _live_sessions(verifier_proc, drafter_proc) == baseline, 15.0, "sessions closed")
+    assert not [line for line in gateway.output if "never retrieved" in line or "Traceback" in line]
+
+
 @pytest.fixture(scope="module")
 def target_only_gateway(verifier_proc):
     with start_gateway(verifier_proc.address, None, ["--log-level", "WARNING"]) as gw:

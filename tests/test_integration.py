@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import collections
 import json
 import subprocess
 import sys
+import time
 
 import grpc
 import pytest
@@ -282,6 +285,38 @@ def test_closing_a_client_closes_the_sessions_of_a_stream_left_unfinished(drafte
     assert upstream_error(ClientClosed("closing")).status == 503
     with pytest.raises(ClientClosed, match="closed"):
         next(client.stream(PROMPTS[0]))
+
+
+def test_a_caller_that_stops_at_the_last_chunk_leaves_no_session_open(verifier_proc, verifier_stub):
+    """A caller that stops reading as soon as it has the result (the gateway ends every stream
+    so) may cancel the generation while it closes its sessions: the close still happens. Each
+    side of the race is tried: 12 streams stopped at the last chunk, 4 blocking, 8 from
+    another event loop."""
+
+    def live() -> int:
+        return verifier_stub.GetStats(pb.StatsRequest(), timeout=10).live_sessions
+
+    before = live()
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    with SpeculativeClient(verifier_proc.address) as client:
+        for i in range(4):
+            for chunk in client.stream(PROMPTS[i % len(PROMPTS)], params, target_only=True):
+                if chunk.result is not None:
+                    break  # closes the generator with the generation still finishing
+
+        async def stop_at_the_result(prompt) -> None:
+            async for chunk in client.astream(prompt, params, target_only=True):
+                if chunk.result is not None:
+                    return
+
+        async def main() -> None:
+            await asyncio.gather(*(stop_at_the_result(PROMPTS[i % len(PROMPTS)]) for i in range(8)))
+
+        asyncio.run(main())
+        deadline = time.monotonic() + 10  # the last closes may still be on their way
+        while live() != before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert live() == before
 
 
 def test_random_model_refuses_an_out_path_that_is_a_file(tmp_path):
