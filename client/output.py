@@ -102,6 +102,7 @@ class OutputProcessor:
         self._text = ""  # decoded text of token_ids[:_read_offset]
         self._prefix_offset = 0  # the decode window starts here: context for the tokens after _read_offset
         self._read_offset = 0
+        self._stop_floor: int | None = None  # see _stop_search_start
 
     def commit(self, token_ids: Sequence[int], logprobs: Sequence[dict] | None, now: float) -> StreamChunk:
         """Commit a round's tokens (the accepted drafts, then the bonus or recovered token) and
@@ -128,12 +129,13 @@ class OutputProcessor:
             result.ttft_s = now - self._t0
         text = self._decode(result.token_ids)
         stops = params.stop if len(result.token_ids) >= params.min_tokens else ()
-        cut = find_stop(text, stops, len(self._emitted))
+        cut = find_stop(text, stops, self._stop_search_start()) if stops else None
         if cut is not None:
+            text, cut = self._end_at_stop(new, text, cut)
             text, self.finished, result.finish_reason = text[:cut], True, "stop"
         stable = text if self.finished else text.rstrip("\ufffd")
-        if not self.finished and stops:
-            hold = max(map(len, stops)) - 1
+        if not self.finished and params.stop:  # before min_tokens too: a stop string may end past it
+            hold = max(map(len, params.stop)) - 1
             stable = stable[:max(len(self._emitted), len(stable) - hold)]
         delta, self._emitted = stable[len(self._emitted):], stable
         round_logprobs = result.logprobs[logprobs_from:] if result.logprobs is not None else None
@@ -143,6 +145,31 @@ class OutputProcessor:
         result.elapsed_s = time.perf_counter() - self._t0
         return StreamChunk(token_ids=new, text=delta, result=result, logprobs=round_logprobs)
 
+
+    def _stop_search_start(self) -> int:
+        """Where stop strings may end from (exclusive): after the text already streamed, and
+        after the text of the tokens before the min_tokens-th one, so a stop string counts when
+        a token at or past min_tokens completes it, however many tokens each round brought."""
+        if self._stop_floor is None:
+            floor_ids = self.result.token_ids[:max(0, self.params.min_tokens - 1)]
+            self._stop_floor = len(self.tokenizer.decode(floor_ids, skip_special_tokens=True)) if floor_ids else 0
+        return max(len(self._emitted), self._stop_floor)
+
+    def _end_at_stop(self, new: list[int], text: str, cut: int) -> tuple[str, int]:
+        """A stop string ends the generation at the token that completes it, as one token a
+        round would: the round's tokens after that one are dropped (from `new` too), so token
+        ids, usage and logprobs do not depend on how many tokens a round verified. Returns the
+        text of the tokens kept and where the stop string starts in it."""
+        result, params = self.result, self.params
+        base = len(result.token_ids) - len(new)
+        for keep in range(max(1, params.min_tokens - base), len(new)):
+            head = self.tokenizer.decode(result.token_ids[:base + keep], skip_special_tokens=True)
+            if (at := find_stop(head, params.stop, self._stop_search_start())) is not None:
+                del new[keep:], result.token_ids[base + keep:], result.token_times_s[base + keep:]
+                if result.logprobs is not None:
+                    del result.logprobs[base + keep:]
+                return head, at
+        return text, cut
 
     def _decode(self, ids: list[int]) -> str:
         """The text of `ids` (all tokens so far): the settled text, plus the new tokens' text,

@@ -52,6 +52,34 @@ def test_a_stop_string_inside_one_round_cuts_the_text_there(tokenizer):
     assert out.finished and chunk.text == " Hello " == out.result.text
 
 
+@pytest.mark.parametrize("stop, min_tokens", [([" 8"], 0), ([",", " 8"], 0), ([" 7, 8"], 0), (["8,"], 0),
+                                              ([","], 5), ([", 8", " 1"], 5), ([" 7, 8, 9"], 8), ([", 1"], 9)])
+def test_a_stop_string_ends_at_the_token_that_completes_it_whatever_the_round_size(tokenizer, stop, min_tokens):
+    """Token ids, their logprobs and the text do not depend on how many tokens a round
+    verified: a round of 9 ends where rounds of one token each end (the tokens after the one
+    that completes the stop string are dropped). With min_tokens, a stop string counts when a
+    token at or past the min_tokens-th completes it, in rounds of any size."""
+    ids = _ids(tokenizer, " 6, 7, 8, 9, 10, 11, 12")
+    runs = []
+    for size in (1, 2, 3, 9, len(ids)):
+        out = _processor(tokenizer, max_tokens=50, stop=stop, min_tokens=min_tokens, logprobs=0)
+        chunks = []
+        for i in range(0, len(ids), size):
+            chunks.append(out.commit(ids[i:i + size], [{"logprob": -float(j)} for j in range(i, i + size)], 1.0))
+            if out.finished:
+                break
+        assert out.finished and out.result.finish_reason == "stop"
+        assert sum((c.token_ids for c in chunks), []) == out.result.token_ids
+        assert "".join(c.text for c in chunks) == out.result.text
+        assert [e["logprob"] for e in out.result.logprobs] == [-float(j) for j in range(len(out.result.token_ids))]
+        runs.append((out.result.token_ids, out.result.text, len(out.result.token_times_s)))
+    assert all(run == runs[0] for run in runs), runs
+    kept = len(runs[0][0])
+    assert kept < len(ids) and runs[0][2] == kept
+    if min_tokens:
+        assert kept >= min_tokens
+
+
 def test_max_tokens_drops_the_rest_of_a_round(tokenizer):
     ids = _ids(tokenizer, " one two three four five six")
     out = _processor(tokenizer, max_tokens=4)
