@@ -294,7 +294,7 @@ def _add_gateway_parser(sub) -> None:
     gw.add_argument("--served-model-name", nargs="+", default=None,
                     help="model names clients may ask for (the first is reported); default: the verifier's model name")
     gw.add_argument("--num-speculative-tokens", type=gamma_arg, default="auto",
-                    help="gamma, drafts per round, or 'auto' (adaptive per round in [1, 8]; default)")
+                    help="gamma, drafts per round, or 'auto' (adaptive per round in [0, 8]; default)")
     gw.add_argument("--fanout", type=positive("--fanout", zero=True), default=0,
                     help="speculation cache: the drafter pre-drafts the next round for its top-F bonus candidates")
     gw.add_argument("--max-concurrent-requests", type=positive("--max-concurrent-requests"), default=64,

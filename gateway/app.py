@@ -167,10 +167,11 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
         if len(prompts) * n > MAX_CHOICES:
             raise bad_request("n", f"prompts x n = {len(prompts)} x {n} is more than {MAX_CHOICES} generations "
                                    "in one request")
-        max_context = client.verifier_info.max_context
+        max_context, vocab_size = client.verifier_info.max_context, client.verifier_info.vocab_size
         # Choice i is prompt i // n's (vLLM's numbering); its timer counts the prompt's tokens once.
         choices = [(ids, params, j == 0) for ids in prompts
-                   for j, params in enumerate(choice_params(sampling_params(body, len(ids), max_context), n))]
+                   for j, params in enumerate(choice_params(sampling_params(body, len(ids), max_context, vocab_size),
+                                                            n))]
         builder = ResponseBuilder(chat=chat, model=model, prompt_tokens=sum(map(len, prompts)),
                                   decode=upstream.decode_token, logprobs=choices[0][1].logprobs is not None,
                                   include_usage=bool(body.stream_options and body.stream_options.include_usage),

@@ -232,7 +232,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_tokens: int,
-                    max_context: int) -> SamplingParams:
+                    max_context: int, vocab_size: int | None = None) -> SamplingParams:
     """The request's SamplingParams; 400 naming the field for a bad value, or when the prompt
     plus max_tokens does not fit the verifier's context (as vLLM words it)."""
     chat = isinstance(req, ChatCompletionRequest)
@@ -245,7 +245,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_token
                                         f"{prompt_field} has {prompt_tokens} tokens, which leaves no room for a "
                                         "completion.", code="context_length_exceeded")
     if max_tokens is None:
-        max_tokens = max_context - prompt_tokens if chat else DEFAULT_COMPLETION_MAX_TOKENS
+        # an unset max_tokens never makes a prompt that fits fail: the default shrinks to the room left
+        max_tokens = max_context - prompt_tokens if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, max_context - prompt_tokens)
     elif prompt_tokens + max_tokens > max_context:
         raise bad_request(max_field, f"This model's maximum context length is {max_context} tokens. However, you "
                                      f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
@@ -274,10 +275,14 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_token
     }
     fields = {"max_tokens": max_field, "logprobs": logprobs_field}
     try:
-        return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+        params = SamplingParams(**{k: v for k, v in values.items() if v is not None})
     except InvalidArgument as exc:
         name = fields.get(exc.field, exc.field)
         raise bad_request(name, f"{name}: {str(exc).split(': ', 1)[1]}") from None
+    if vocab_size is not None and (bad := [t for t in params.stop_token_ids if t >= vocab_size]):
+        raise bad_request("stop_token_ids", f"stop_token_ids: token id {bad[0]} is outside the model's vocabulary "
+                                            f"[0, {vocab_size})")
+    return params
 
 
 # ---- responses ------------------------------------------------------------------------------

@@ -64,6 +64,15 @@ class UpstreamConfig:
         parse_addresses(self.drafter, "drafter")
 
 
+def _text_length(content: object) -> int:
+    """Characters of a chat message's content: a string, or text parts."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+    return 0
+
+
 def upstream_error(exc: BaseException) -> APIError:
     """What an upstream failure means to the HTTP client: the verifier unreachable (or
     full past the queue's wait) is 503, a request the services refused is 400, anything else 500."""
@@ -138,6 +147,7 @@ class Upstream:
         self.last_error: str | None = "not connected yet"
         self._factory = client_factory or _make_client
         self._encode_lock = threading.Lock()
+        self._chars_per_token: tuple[SpeculativeClient, int] | None = None  # (client, longest vocabulary entry)
         self._slots: asyncio.Semaphore | None = None  # max_concurrent_requests; made on the loop
         self._generations: set[Generation] = set()
         # Not bound to a loop until first awaited (Python >= 3.10): the app may build this object
@@ -245,18 +255,41 @@ class Upstream:
     async def encode(self, prompt: str | Sequence[int] | None = None, messages: list[dict] | None = None,
                      template_options: dict | None = None) -> list[int]:
         client = self.require()
+        param = "messages" if messages is not None else "prompt"
 
         def encode() -> list[int]:
-            with self._encode_lock:
+            with self._encode_lock:  # a fast tokenizer called from two threads at once can fail ("Already borrowed")
+                self._refuse_what_cannot_fit(client, param, prompt, messages)
                 if messages is not None:
                     return client.encode_chat(messages, **(template_options or {}))
                 return client.encode_prompt(prompt)
 
         try:
             return await anyio.to_thread.run_sync(encode)
+        except APIError:
+            raise
         except Exception as exc:  # a chat template that refuses the roles' order, ids outside the vocabulary
-            param = "messages" if messages is not None else "prompt"
             raise APIError(400, f"{param} could not be tokenized: {exc}", param=param) from exc
+
+    def _refuse_what_cannot_fit(self, client: SpeculativeClient, param: str, prompt, messages) -> None:
+        """400 for text that cannot fit the context whatever it says, before tokenizing it: no
+        token covers more characters than the vocabulary's longest entry, so a text longer than
+        max_context of those has more than max_context tokens. Tokenizing a 20 MB prompt took
+        17 s, with every other request's tokenization waiting behind it."""
+        if self._chars_per_token is None or self._chars_per_token[0] is not client:
+            vocab = getattr(getattr(client, "tokenizer", None), "get_vocab", None)
+            self._chars_per_token = (client, max(map(len, vocab())) if vocab is not None else 0)
+        per_token, max_context = self._chars_per_token[1], client.verifier_info.max_context
+        if isinstance(prompt, str):
+            chars = len(prompt)
+        elif messages is not None:
+            chars = sum(_text_length(m.get("content")) for m in messages if isinstance(m, dict))
+        else:
+            return
+        if per_token and chars > max_context * per_token:
+            raise APIError(400, f"This model's maximum context length is {max_context} tokens. However, your {param} "
+                                f"has more: {chars} characters, and no token holds more than {per_token}.",
+                           param=param, code="context_length_exceeded")
 
     def decode_token(self, token_id: int) -> str:
         return self.require().tokenizer.decode([token_id])

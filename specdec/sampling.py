@@ -31,6 +31,7 @@ from specdec.errors import InvalidArgument
 
 STREAM_DRAFT = 1
 STREAM_VERIFY = 2
+_FLOAT32_MAX = 3.4028234663852886e38
 _MASK64 = (1 << 64) - 1
 
 
@@ -95,7 +96,8 @@ class SamplingParams:
     def validate(self) -> None:
         def finite(name: str) -> float:
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value):
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
+                # the wire carries 32-bit floats: 1e308 would arrive as inf
                 raise InvalidArgument(name, f"must be a finite number, got {value!r}")
             return value
 

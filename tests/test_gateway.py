@@ -263,11 +263,18 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
         with pytest.raises(openai.APIStatusError) as info:
             oai.completions.create(model=model, prompt=[1, 10**7], max_tokens=2)
         return info.value
+    if case == "a prompt of more characters than the context can hold":  # refused before tokenizing it
+        with pytest.raises(openai.APIStatusError) as info:
+            oai.completions.create(model=model, prompt="x" * 2_000_000, max_tokens=2)
+        assert "characters" in info.value.message
+        return info.value
     if case == "missing key":
         return httpx.post(f"{base_url}/v1/chat/completions", json={"model": model, "messages": messages})
     client = oai if case != "wrong key" else openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0)
     kwargs = {"unknown model": {"model": "no-such-model"}, "n=0": {"n": 0}, "n past 64 choices": {"n": 65},
               "temperature=-1": {"temperature": -1},
+              "temperature past a 32-bit float": {"temperature": 1e308},
+              "stop_token_ids past the vocabulary": {"extra_body": {"stop_token_ids": [10**8]}},
               "max_tokens past the context": {"max_tokens": 4096}, "wrong key": {},
               # vLLM's chat-template extras: add_generation_prompt defaults to true
               "continue_final_message with a generation prompt": {"extra_body": {"continue_final_message": True}},
@@ -292,11 +299,14 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
     ("n=0", 400, "n", None),
     ("n past 64 choices", 400, "n", None),
     ("temperature=-1", 400, "temperature", None),
+    ("temperature past a 32-bit float", 400, "temperature", None),
+    ("stop_token_ids past the vocabulary", 400, "stop_token_ids", None),
     ("max_tokens past the context", 400, "max_tokens", "context_length_exceeded"),
     ("malformed JSON", 400, None, "invalid_json"),
     ("wrong key", 401, None, "invalid_api_key"),
     ("missing key", 401, None, "invalid_api_key"),
     ("prompt token id past the vocabulary", 400, "prompt", None),
+    ("a prompt of more characters than the context can hold", 400, "prompt", "context_length_exceeded"),
     ("continue_final_message with a generation prompt", 400, "continue_final_message", None),
     ("continue_final_message after a user message", 400, "continue_final_message", None),
     ("chat_template_kwargs naming a call argument", 400, "chat_template_kwargs", None),
@@ -315,6 +325,16 @@ def test_bad_request_gets_its_status_and_openai_error_body_and_the_gateway_keeps
     assert error["error"]["message"]
     after = oai.completions.create(model=model, prompt="Hello", max_tokens=2, temperature=0)
     assert after.choices[0].finish_reason == "length" and after.usage.completion_tokens == 2
+
+
+@pytest.mark.slow
+def test_a_prompt_that_fits_without_max_tokens_gets_the_room_left_not_an_error(oai, model):
+    """An unset max_tokens is the default (16 for completions) only where it fits: a prompt 4
+    tokens short of the context gets those 4, as vLLM clamps it."""
+    max_context = oai.models.list().data[0].model_extra["max_model_len"]
+    out = oai.completions.create(model=model, prompt=[1] + [28] * (max_context - 5), temperature=0,
+                                 extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 4 and out.choices[0].finish_reason == "length"
 
 
 @pytest.mark.slow
