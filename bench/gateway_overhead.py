@@ -38,12 +38,14 @@ class _StubClient:
         self.tokens_per_round = tokens_per_round
         self._token = self.tokenizer(" the", add_special_tokens=False).input_ids[0]
 
-    def encode_prompt(self, prompt, chat: bool = False) -> list[int]:
-        return list(self.tokenizer(prompt, add_special_tokens=False).input_ids) if isinstance(prompt, str) else prompt
+    def encode_prompt(self, prompt, chat: bool = False, *, tokenizer=None) -> list[int]:
+        tokenizer = tokenizer or self.tokenizer
+        return list(tokenizer(prompt, add_special_tokens=False).input_ids) if isinstance(prompt, str) else prompt
 
-    def encode_chat(self, messages, add_generation_prompt: bool = True, **template_options) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True, **template_options)
+    def encode_chat(self, messages, add_generation_prompt: bool = True, tokenizer=None,
+                    **template_options) -> list[int]:
+        ids = (tokenizer or self.tokenizer).apply_chat_template(
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, **template_options)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     async def astream(self, prompt_ids, params: SamplingParams, **_):

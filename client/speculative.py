@@ -347,16 +347,18 @@ class SpeculativeClient:
 
     # ---- public API ---------------------------------------------------------------
 
-    def encode_prompt(self, prompt: str | Sequence[int] | Sequence[dict], chat: bool = False) -> list[int]:
+    def encode_prompt(self, prompt: str | Sequence[int] | Sequence[dict], chat: bool = False, *,
+                      tokenizer=None) -> list[int]:
         """Token ids of a prompt: text (through the chat template as one user turn with `chat`),
         token ids (checked against the verifier's vocabulary), or chat messages ({"role",
-        "content"} dicts, always through the chat template)."""
+        "content"} dicts, always through the chat template). tokenizer: a copy of the client's
+        to use instead (callers that encode on several threads at once)."""
         if isinstance(prompt, str):
             if chat:
-                return self.encode_chat([{"role": "user", "content": prompt}])
-            return list(self.tokenizer(prompt, add_special_tokens=False).input_ids)
+                return self.encode_chat([{"role": "user", "content": prompt}], tokenizer=tokenizer)
+            return list((tokenizer or self.tokenizer)(prompt, add_special_tokens=False).input_ids)
         if isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
-            return self.encode_chat(prompt)
+            return self.encode_chat(prompt, tokenizer=tokenizer)
         try:
             if isinstance(prompt, (bytes, bytearray)) or any(isinstance(t, bool) for t in prompt):
                 raise TypeError  # bytes iterate as ints, and True is an int: neither is token ids
@@ -374,19 +376,20 @@ class SpeculativeClient:
             raise ValueError(f"{what} {bad} is outside the verifier's vocabulary [0, {vocab})")
 
     def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, **template_kwargs) -> list[int]:
+                    continue_final_message: bool = False, tokenizer=None, **template_kwargs) -> list[int]:
         """Token ids of a conversation through the model's chat template, ready for the reply
         (add_generation_prompt), or ending inside the last assistant message, which the reply
-        then continues (continue_final_message). template_kwargs: the template's own variables."""
+        then continues (continue_final_message). template_kwargs: the template's own variables;
+        tokenizer: as encode_prompt's."""
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise ValueError(f"messages[{i}] must be a dict with a string 'role', got {m!r}")
             if not isinstance(m.get("content"), (str, list)) and not m.get("tool_calls"):
                 raise ValueError(f"messages[{i}] ({m['role']}) needs a 'content' string, got {m.get('content')!r}")
         try:
-            ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                                     continue_final_message=continue_final_message, tokenize=True,
-                                                     **template_kwargs)
+            ids = (tokenizer or self.tokenizer).apply_chat_template(
+                list(messages), add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=True, **template_kwargs)
         except (TemplateError, TypeError) as exc:  # the template's own checks (roles, alternation, content)
             raise ValueError(f"the chat template refused the conversation: {exc}") from None
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):

@@ -166,6 +166,7 @@ _TEMPLATE_CALL_ARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "tokenizer",  # SpeculativeClient.encode_chat's own
 })
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -62,6 +63,30 @@ class UpstreamConfig:
     def __post_init__(self) -> None:  # at start, not in the background connection's retries
         parse_addresses(self.verifier, "verifier")
         parse_addresses(self.drafter, "drafter")
+
+
+class _TokenizerCopies:
+    """Copies of the current client's tokenizer, one per encoding in progress (made on demand,
+    kept for reuse; a new client's replace them). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._client: object | None = None
+        self._idle: list = []
+
+    def take(self, client):
+        with self._lock:
+            if self._client is not client:
+                self._client, self._idle = client, []
+            if self._idle:
+                return self._idle.pop()
+        tokenizer = getattr(client, "tokenizer", None)
+        return copy.deepcopy(tokenizer) if tokenizer is not None else None  # ~0.1 s, once per level of concurrency
+
+    def give_back(self, client, tokenizer) -> None:
+        with self._lock:
+            if self._client is client and tokenizer is not None:
+                self._idle.append(tokenizer)
 
 
 def _text_length(content: object) -> int:
@@ -146,7 +171,7 @@ class Upstream:
         self.client: SpeculativeClient | None = None
         self.last_error: str | None = "not connected yet"
         self._factory = client_factory or _make_client
-        self._encode_lock = threading.Lock()
+        self._tokenizers = _TokenizerCopies()
         self._chars_per_token: tuple[SpeculativeClient, int] | None = None  # (client, longest vocabulary entry)
         self._slots: asyncio.Semaphore | None = None  # max_concurrent_requests; made on the loop
         self._generations: set[Generation] = set()
@@ -258,11 +283,16 @@ class Upstream:
         param = "messages" if messages is not None else "prompt"
 
         def encode() -> list[int]:
-            with self._encode_lock:  # a fast tokenizer called from two threads at once can fail ("Already borrowed")
-                self._refuse_what_cannot_fit(client, param, prompt, messages)
+            self._refuse_what_cannot_fit(client, param, prompt, messages)
+            # A copy of the tokenizer per concurrent encoding: one shared by threads can fail
+            # ("Already borrowed"), and one long prompt must not hold up every other request.
+            tokenizer = self._tokenizers.take(client)
+            try:
                 if messages is not None:
-                    return client.encode_chat(messages, **(template_options or {}))
-                return client.encode_prompt(prompt)
+                    return client.encode_chat(messages, tokenizer=tokenizer, **(template_options or {}))
+                return client.encode_prompt(prompt, tokenizer=tokenizer)
+            finally:
+                self._tokenizers.give_back(client, tokenizer)
 
         try:
             return await anyio.to_thread.run_sync(encode)

@@ -602,3 +602,41 @@ def test_without_stop_strings_every_round_is_streamed_at_once():
     first = builder.chunks(StreamChunk([1], "ab"))
     assert [b["choices"][0]["text"] for b in first] == ["ab"]
     assert _stream_text(builder, [StreamChunk([2], " cd", result=result)]) == " cd"
+
+
+def test_concurrent_encodings_get_their_own_tokenizer_copy_and_reuse_it(tokenizer):
+    """The gateway tokenizes on worker threads, each encoding with a copy of its own (a fast
+    tokenizer shared by threads can fail, and a long prompt would hold up the rest); copies
+    are reused, and a new client (after a redeploy) gets copies of its own tokenizer."""
+    import threading
+    import types
+
+    from gateway.upstream import _TokenizerCopies
+
+    copies = _TokenizerCopies()
+    client = types.SimpleNamespace(tokenizer=tokenizer)
+    first, second = copies.take(client), copies.take(client)
+    assert first is not second and tokenizer not in (first, second)
+    assert first("a b", add_special_tokens=False).input_ids == tokenizer("a b", add_special_tokens=False).input_ids
+    copies.give_back(client, first)
+    assert copies.take(client) is first  # reused, not copied again
+    errors = []
+
+    def encode(i: int) -> None:
+        for _ in range(50):
+            tok = copies.take(client)
+            try:
+                if tok("x y %d" % i, add_special_tokens=False).input_ids != tokenizer("x y %d" % i,
+                                                                                       add_special_tokens=False).input_ids:
+                    errors.append(i)
+            finally:
+                copies.give_back(client, tok)
+
+    threads = [threading.Thread(target=encode, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    other = types.SimpleNamespace(tokenizer=tokenizer)
+    assert copies.take(other) is not first  # a new client's copies start afresh
