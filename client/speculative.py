@@ -613,6 +613,7 @@ class SpeculativeClient:
             verifier=verifier, drafter=_DrafterLink(gamma_max=gamma_max, max_draft_tokens=gamma_max, fanout=fanout),
             gamma_max=gamma_max, controller=controller, counted_on=self.costs(verifier.server.address),
             drafter_context=self.drafter_info.max_context if self.drafter_info else 0,
+            verifier_context=self.verifier_info.max_context,
             # Both engines compute on CPUs (usually one host's cores): overlapping their work buys nothing.
             shared_cpu=self.drafter_info is not None and self.drafter_info.device.startswith("cpu")
             and self.verifier_info.device.startswith("cpu"),
@@ -644,8 +645,11 @@ class SpeculativeClient:
             cap = gen.controller.next_gamma(link.max_draft_tokens)
         else:
             cap = link.max_draft_tokens
-        # Never draft more than can be kept: the round emits up to gamma + 1 tokens.
-        gamma = max(0, min(cap, remaining - 1, gen.drafter_context - len(committed)))
+        # Never draft more than can be kept: the round emits up to gamma + 1 tokens. Except with a
+        # seed: its rounds (hence its draws) must not depend on max_tokens, so that a shorter
+        # run is a prefix of a longer one; the output processor drops what is past max_tokens.
+        keepable = remaining - 1 if gen.output.params.seed is None else gen.verifier_context - len(committed) - 1
+        gamma = max(0, min(cap, keepable, gen.drafter_context - len(committed)))
         waited = link.prefill is not None  # a prefill started in an earlier round
         if gamma and link.prefill is None and self._drafter_behind(link, committed):
             if gen.controller is not None and gen.controller.probing:
@@ -1041,6 +1045,7 @@ class _Generation:
     controller: AdaptiveGamma | None  # γ "auto"; None for a fixed γ
     counted_on: ServingCosts  # the load model that counts this generation as running (begin / end)
     drafter_context: int  # drafts end at the drafter's max_context
+    verifier_context: int  # and a round's tokens at the verifier's
     shared_cpu: bool  # both engines on CPUs: a drafter prefill beside the verifier's only shares cores
 
 

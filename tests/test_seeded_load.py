@@ -102,3 +102,17 @@ def test_seeded_gateway_request_is_identical_alone_and_beside_seven_others(seede
         under_load, _ = _beside_load(mine, lambda p: complete(p, temperature=1.0))
         assert under_load == alone
         assert complete(PROMPT, temperature=0.8, top_p=0.9, seed=8) != alone
+
+
+@pytest.mark.parametrize("gamma", ["auto", 4])
+def test_a_seeded_run_is_a_prefix_of_the_same_run_with_more_max_tokens(int8_client, gamma):
+    """max_tokens does not change a seeded request's rounds (its last round drafts as it would
+    in a longer run, and what is past max_tokens is dropped), so a shorter run is a prefix of
+    a longer one, as with one token a step. Several lengths end inside a round."""
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=11, ignore_eos=True, max_tokens=40)
+    longest = int8_client.generate(PROMPT, params, num_speculative_tokens=gamma)
+    assert len(longest.token_ids) == 40 and longest.num_draft_tokens > 0
+    for n in (5, 12, 13, 27):
+        shorter = int8_client.generate(PROMPT, params.replace(max_tokens=n), num_speculative_tokens=gamma)
+        assert shorter.token_ids == longest.token_ids[:n], n
+        assert longest.text.startswith(shorter.text)
