@@ -125,6 +125,7 @@ class ServingCosts:
         self.local_running = 0  # this client's generations in flight on it (begin / end)
         self.disabled = False  # the verifier asks for no drafts (--speculative-disable-by-batch-size)
         self._alpha = [0.0, 0.0]  # decayed [accepted, trials] of all generations
+        self._zero_rounds = 0  # γ = 0 rounds of all generations since the last probe
         self._lock = threading.Lock()
 
     @property
@@ -173,6 +174,17 @@ class ServingCosts:
             failures = 1 if accepted < proposed else 0
             self._alpha = [self.decay * self._alpha[0] + accepted, self.decay * self._alpha[1] + accepted + failures]
 
+    def probe_due(self, every: int) -> bool:
+        """Count one γ = 0 round of any generation; True for every (every + 1)-th, a probe. Shared:
+        a client whose generations are each shorter than `every` rounds must still probe, or
+        estimates learnt under other conditions (a busy host) would keep γ at 0 for good."""
+        with self._lock:
+            self._zero_rounds += 1
+            if self._zero_rounds > every:
+                self._zero_rounds = 0
+                return True
+            return False
+
     def alpha(self, default: float) -> float:
         with self._lock:
             return self._alpha[0] / self._alpha[1] if self._alpha[1] > 0 else default
@@ -219,7 +231,7 @@ class AdaptiveGamma:
     _c_draft: float | None = None  # seconds per drafted token
     # decayed sums over rounds of 1, γ, γ², t, γ·t (t = verify seconds): a least-squares fit of t = a + b·γ
     _v: list[float] = field(default_factory=lambda: [0.0] * 5)
-    _zero_rounds: int = 0  # γ = 0 rounds in a row (load model)
+    _zero_rounds: int = 0  # γ = 0 rounds since the last probe (deterministic, or without a load model)
     probing: bool = False  # the last next_gamma was a probe, not the model's choice
 
     def __post_init__(self) -> None:
@@ -319,9 +331,14 @@ class AdaptiveGamma:
         if best > 0 or hi == 0:
             self._zero_rounds = 0
             return best
-        self._zero_rounds += 1
-        if self._zero_rounds > self.probe_every:  # a cheap probe keeps α and the draft cost current
-            self._zero_rounds = 0
+        if self.costs is not None and not self.deterministic:  # counted over the client's generations
+            due = self.costs.probe_due(self.probe_every)
+        else:  # a deterministic schedule follows from this generation's own rounds
+            self._zero_rounds += 1
+            due = self._zero_rounds > self.probe_every
+            if due:
+                self._zero_rounds = 0
+        if due:  # a cheap probe keeps α and the draft cost current
             self.probing = True
             return min(self.probe_gamma, hi)
         return 0

@@ -71,6 +71,25 @@ def test_controller_probes_while_it_stays_at_zero():
     assert picks[5] == picks[11] == picks[17] == 2
 
 
+def test_short_generations_of_one_client_still_probe():
+    """Probes are counted over the client's generations on a verifier: 12 generations of 4
+    rounds each, all at γ 0, probe every 6th round between them (counted per generation,
+    none would ever have probed), and a deterministic one keeps its own count."""
+    costs = ServingCosts()
+    _feed(costs, 16, lambda t: 20.0 + 0.05 * t, lambda r: 4.0 + 3.0 * r)
+    picks = []
+    for _ in range(12):
+        ctl = AdaptiveGamma(gamma_min=0, gamma_max=8, costs=costs, probe_every=5, probe_gamma=2)
+        _accept_all(ctl)
+        picks += [ctl.next_gamma() for _ in range(4)]
+    assert picks.count(2) == 8 and picks.count(0) == 40
+    assert [i for i, g in enumerate(picks) if g] == list(range(5, 48, 6))
+    alone = AdaptiveGamma(gamma_min=0, gamma_max=8, costs=costs, probe_every=5, deterministic=True)
+    for _ in range(30):
+        alone.update(4, 0, draft_s=0.01, verify_s=0.05)  # α ~0: γ 0 by its own record
+    assert [alone.next_gamma() for _ in range(6)] == [0] * 5 + [alone.probe_gamma]
+
+
 def test_controller_follows_the_verifiers_disable_flag():
     costs = ServingCosts()
     ctl = AdaptiveGamma(gamma_min=0, gamma_max=8, costs=costs, probe_every=2)
