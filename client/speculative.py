@@ -653,7 +653,11 @@ class SpeculativeClient:
         waited = link.prefill is not None  # a prefill started in an earlier round
         if gamma and link.prefill is None and self._drafter_behind(link, committed):
             if gen.controller is not None and gen.controller.probing:
-                return 0  # a probe is worth a cheap round, not a prefill of the whole sequence
+                # A probe where the drafter holds nothing: it catches up in the background and a
+                # later round drafts (only drafting rounds refresh the estimates that chose γ 0).
+                gen.controller.defer_probe()
+                await self._start_prefill(gen)
+                return 0
             # A prompt (or a long run of target-only rounds) to catch up on: the drafter
             # prefills in the background, only once drafts are wanted at all.
             await self._start_prefill(gen)

@@ -126,6 +126,8 @@ class ServingCosts:
         self.disabled = False  # the verifier asks for no drafts (--speculative-disable-by-batch-size)
         self._alpha = [0.0, 0.0]  # decayed [accepted, trials] of all generations
         self._zero_rounds = 0  # γ = 0 rounds of all generations since the last probe
+        self._probe_backoff = 1  # probes that found γ 0 still right space the next ones out (x2, up to x8)
+        self.probe_owed = False  # a probe chosen where the drafter held nothing: the next round to draft runs it
         self._lock = threading.Lock()
 
     @property
@@ -180,10 +182,16 @@ class ServingCosts:
         estimates learnt under other conditions (a busy host) would keep γ at 0 for good."""
         with self._lock:
             self._zero_rounds += 1
-            if self._zero_rounds > every:
+            if self._zero_rounds > every * self._probe_backoff:
                 self._zero_rounds = 0
                 return True
             return False
+
+    def probe_outcome(self, resumed: bool) -> None:
+        """After a probe: speculation resumed (probes at the base rate again), or γ 0 held (the
+        next probe comes twice as late, up to 8x: a useless drafter costs little to re-check)."""
+        with self._lock:
+            self._probe_backoff = 1 if resumed else min(8, 2 * self._probe_backoff)
 
     def alpha(self, default: float) -> float:
         with self._lock:
@@ -233,6 +241,8 @@ class AdaptiveGamma:
     _v: list[float] = field(default_factory=lambda: [0.0] * 5)
     _zero_rounds: int = 0  # γ = 0 rounds since the last probe (deterministic, or without a load model)
     probing: bool = False  # the last next_gamma was a probe, not the model's choice
+    _probe_deferred: bool = False  # a probe waits for the drafter to catch up (defer_probe)
+    _probed: bool = False  # a probe round ran: the next choice is its outcome
 
     def __post_init__(self) -> None:
         if not 0 <= self.gamma_min <= self.gamma_max:
@@ -272,6 +282,9 @@ class AdaptiveGamma:
         if proposed <= 0:
             self._v = [self.decay * s + x for s, x in zip(self._v, (1.0, 0.0, 0.0, verify_s, 0.0))]
             return
+        self._probed, self._probe_deferred = self.probing, False
+        if self.probing and self.costs is not None and not self.deterministic:
+            self.costs.probe_owed = False
         if self.costs is not None:
             self.costs.observe_acceptance(proposed, accepted)
         failures = 1 if accepted < proposed else 0
@@ -285,6 +298,17 @@ class AdaptiveGamma:
         self._c_draft = per_token if self._c_draft is None else self.decay * self._c_draft + (1 - self.decay) * per_token
         g = float(proposed)
         self._v = [self.decay * s + x for s, x in zip(self._v, (1.0, g, g * g, verify_s, g * verify_s))]
+
+    def defer_probe(self) -> None:
+        """The probe just chosen cannot draft yet (the drafter holds nothing of this sequence
+        and catches up in the background): later rounds run it, once they can draft. Without
+        this, estimates that said γ 0 would stand for good, since only drafting rounds update them.
+        Owed on the load model (any generation's next round may run it: this one may end first),
+        except in a deterministic schedule, which keeps to its own rounds."""
+        if self.costs is not None and not self.deterministic:
+            self.costs.probe_owed = True
+        else:
+            self._probe_deferred = True
 
     def verify_cost(self) -> tuple[float, float]:
         """(a, b) of the verify cost a + b·γ in seconds; b = 0 until γ has varied."""
@@ -328,9 +352,16 @@ class AdaptiveGamma:
             return self.gamma_min
         best = self.best_gamma(hi)
         self.probing = False
+        if self._probed and self.costs is not None and not self.deterministic:
+            self.costs.probe_outcome(resumed=best > 0)
+        self._probed = False
         if best > 0 or hi == 0:
             self._zero_rounds = 0
             return best
+        shared = self.costs is not None and not self.deterministic
+        if self._probe_deferred or (shared and self.costs.probe_owed):  # a probe waited for a drafter
+            self.probing = True
+            return min(self.probe_gamma, hi)
         if self.costs is not None and not self.deterministic:  # counted over the client's generations
             due = self.costs.probe_due(self.probe_every)
         else:  # a deterministic schedule follows from this generation's own rounds

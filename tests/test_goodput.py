@@ -90,6 +90,41 @@ def test_short_generations_of_one_client_still_probe():
     assert [alone.next_gamma() for _ in range(6)] == [0] * 5 + [alone.probe_gamma]
 
 
+def test_a_deferred_probe_runs_once_the_drafter_can_draft_and_probes_that_fail_back_off():
+    """A probe that cannot draft yet (the drafter catches up first) is run by the next round
+    instead; a probe after which γ 0 still wins spaces the next one out (x2, up to x8), and a
+    probe after which speculation resumes brings the base rate back."""
+    costs = ServingCosts()
+    _feed(costs, 16, lambda t: 20.0 + 0.05 * t, lambda r: 4.0 + 3.0 * r)
+    ctl = AdaptiveGamma(gamma_min=0, gamma_max=8, costs=costs, probe_every=3, probe_gamma=2)
+    _accept_all(ctl)
+    picks = []
+
+    def rounds(n: int, defer_first: bool = False) -> None:
+        for _ in range(n):
+            g = ctl.next_gamma()
+            if g and defer_first:  # the client: the drafter holds nothing, so this round drafts none
+                ctl.defer_probe()
+                defer_first, g = False, 0
+            picks.append(g)
+            ctl.update(g, g, draft_s=0.01 * g, verify_s=0.05)
+
+    rounds(5, defer_first=True)
+    assert picks == [0, 0, 0, 0, 2]  # the 4th round's probe waited one round for the drafter
+    picks.clear()
+    rounds(4 + 8 + 16 + 32 + 32)
+    # every·backoff γ 0 rounds, then the probe: backoff 2, 4, 8, 8 after probes that kept γ 0
+    assert [i for i, g in enumerate(picks) if g] == [6, 6 + 13, 6 + 13 + 25, 6 + 13 + 25 + 25]
+    _feed(costs, 1, lambda t: 20.0, lambda r: 1.0)  # the load drops: drafting pays again
+    ctl._probed = True  # as if the last round had been a probe
+    assert ctl.next_gamma() > 0  # speculation resumed: probes at the base rate again
+    _feed(costs, 16, lambda t: 20.0 + 0.05 * t, lambda r: 4.0 + 3.0 * r)
+    picks.clear()
+    rounds(12)
+    probes = [i for i, g in enumerate(picks) if g]
+    assert probes[0] < 4 and [b - a for a, b in zip(probes, probes[1:])] == [7]  # from 1x again, then 2x
+
+
 def test_controller_follows_the_verifiers_disable_flag():
     costs = ServingCosts()
     ctl = AdaptiveGamma(gamma_min=0, gamma_max=8, costs=costs, probe_every=2)
@@ -302,6 +337,33 @@ def test_on_shared_cpus_a_lone_session_drafts_from_its_second_round(verifier_pro
         result = client.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert result.gamma_per_round[0] == 0, result.gamma_per_round  # the first token is the verifier's alone
     assert result.gamma_per_round[1] > 0, result.gamma_per_round
+
+
+def test_a_client_whose_estimates_say_zero_drafts_again_through_probes(verifier_proc, drafter_proc):
+    """A client whose load model holds a stretch of acceptance 0 (as a bad spell leaves it)
+    starts every generation at γ 0, so its drafter never holds a sequence. A probe in such a
+    generation catches the drafter up in the background and drafts in a later round; before,
+    it stayed a target-only round and only drafting rounds refresh the estimates, so no round
+    of any later generation would draft again. Greedy output stays the target's."""
+    from client.speculative import SpeculativeClient
+    from specdec.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    with SpeculativeClient(verifier_proc.address, drafter=drafter_proc.address) as client:
+        reference = client.generate("The lighthouse keeper", params, target_only=True).token_ids
+        costs = client.costs(verifier_proc.address)
+        for _ in range(3):  # step costs as the embedded pair's, so the model is ready
+            costs.observe_verify(EngineLoad(running_sessions=1, step_rows=1, step_tokens=1, step_ms=45.0), 0.047)
+            costs.observe_draft(EngineLoad(running_sessions=1, step_rows=1, step_tokens=1, step_ms=15.0), 0.062, 4)
+        for _ in range(30):
+            costs.observe_acceptance(8, 0)
+        rounds = []
+        for _ in range(5):  # 10-token generations: each shorter than one probe interval
+            result = client.generate("The lighthouse keeper", params)
+            assert result.token_ids == reference
+            rounds.append(result.gamma_per_round)
+    assert all(r[0] == 0 for r in rounds) and rounds[0][1:4] == [0, 0, 0], rounds  # the model's choice: γ 0
+    assert any(g > 0 for r in rounds for g in r), rounds  # a probe drafted
 
 
 def test_concurrent_generations_of_one_client_see_each_other_before_any_reply():
