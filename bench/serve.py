@@ -620,8 +620,15 @@ def _json_rate(rate: float) -> float | str:
 
 
 def load_result(path: str) -> dict:
+    """A result file written by `bench serve --result-json`; ValueError naming the file otherwise."""
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        try:
+            data = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: not a JSON result file ({exc})") from None
+    if not isinstance(data, dict) or "completed" not in data:
+        raise ValueError(f"{path}: not a result of `specdec bench serve --result-json` (no 'completed' count)")
+    return data
 
 
 def write_json(data: dict, path: str) -> None:

@@ -35,6 +35,7 @@ import numpy as np
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.errors import SpecDecError
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
 from specdec_rpc.adapters import CHANNEL_OPTIONS
@@ -184,6 +185,9 @@ def run_level(address: str, concurrency: int, gamma: int, prompt_len: int, secon
         elapsed = time.perf_counter() - t0
         after = stub.GetStats(pb.StatsRequest(), timeout=10)
     if errors:
+        if isinstance(errors[0], grpc.RpcError):  # a request the verifier refused (γ, prompt length): the user's
+            raise SpecDecError(f"{len(errors)} of {concurrency} workers failed; first: "
+                               f"{errors[0].code().name}: {errors[0].details()}")
         raise RuntimeError(f"{len(errors)} of {concurrency} workers failed; first: {errors[0]!r}")
     requests = after.requests - before.requests
     batches = max(after.batches - before.batches, 1)

@@ -60,9 +60,9 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="torch intra-op threads (0 = all cores; the services alternate, so each may use all)")
     p.add_argument("--max-draft-tokens", type=positive("--max-draft-tokens", zero=True), default=16,
                    help="largest gamma a request may ask for (bounds memory per request)")
-    p.add_argument("--max-sessions", type=positive("--max-sessions", zero=True), default=256,
+    p.add_argument("--max-sessions", type=positive("--max-sessions"), default=256,
                    help="live sessions; beyond it the least recently used idle session is evicted")
-    p.add_argument("--kv-budget-mb", type=float, default=None,
+    p.add_argument("--kv-budget-mb", type=positive("--kv-budget-mb", float), default=None,
                    help="KV memory of all sessions (each holds a static --max-model-len slot); LRU eviction beyond")
     p.add_argument("--max-model-len", type=positive("--max-model-len", zero=True), default=None,
                    help="KV positions per session (default: min(model's maximum, 2048))")
@@ -156,6 +156,25 @@ def _check_env_values(args: argparse.Namespace) -> None:
             raise ValueError(f"${var}={value!r} is not one of {', '.join(map(str, choices))}")
 
 
+def _check_serving_files(args: argparse.Namespace) -> None:
+    """TLS and token files, before the model loads (a minute on a big model), each by its flag:
+    gRPC itself only says that the port could not be bound."""
+    markers = {"tls_cert": "CERTIFICATE", "tls_key": "PRIVATE KEY", "tls_ca": "CERTIFICATE", "auth_token_file": None}
+    for dest, marker in markers.items():
+        path = getattr(args, dest, None)
+        if path is None:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError as exc:
+            raise ValueError(f"{flag} {path!r}: {exc.strerror or exc}") from None
+        if marker is not None and f"-----BEGIN {marker}" not in text and not (
+                marker == "PRIVATE KEY" and "PRIVATE KEY-----" in text):
+            raise ValueError(f"{flag} {path!r} is not a PEM file with a {marker.lower()}")
+
+
 def _disable_by_batch_size(args: argparse.Namespace) -> int:
     """The verifier's speculation cap: as given, else 2 on a CPU (both services on one host's
     cores: measured in the README, "Speculation under load") and never on CUDA."""
@@ -172,6 +191,10 @@ def _serve(args: argparse.Namespace, role: str) -> int:
     from specdec.serving import EngineConfig
 
     _check_env_values(args)
+    _check_serving_files(args)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: no CUDA device is usable here (torch {torch.__version__}"
+                         f"{', built without CUDA' if torch.version.cuda is None else ''})")
     # key=value, so a log pipeline (or grep) can split fields; call lines add method, code, session.
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"ts=%(asctime)s role={role} level=%(levelname)s logger=%(name)s %(message)s")
@@ -461,6 +484,15 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # a missing file, a port in use, an unreachable host: the user's to fix
         logging.getLogger("specdec").debug("specdec %s failed", args.command, exc_info=True)
         print(f"specdec {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        import grpc
+
+        if not isinstance(exc, grpc.RpcError):
+            raise
+        # a service that is down or refused the request (bench, demo): its status, not a traceback
+        logging.getLogger("specdec").debug("specdec %s failed", args.command, exc_info=True)
+        print(f"specdec {args.command}: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     return 1
 

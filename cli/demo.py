@@ -10,6 +10,7 @@ import time
 
 from client.launcher import ServiceProcess, start_gateway, start_service
 from client.speculative import SpeculativeClient
+from specdec.errors import SpecDecError
 from specdec.sampling import SamplingParams
 
 DEFAULT_PROMPTS = (
@@ -23,14 +24,20 @@ def run_demo(args: argparse.Namespace) -> int:
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     drafter_args = shlex.split(args.drafter_args)
     gamma = args.num_speculative_tokens
+    # checked before the services start (tens of seconds), not after
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     print("starting drafter and verifier (the first run converts the embedded model once)...", flush=True)
     services = []
     try:
-        services.append(start_service("drafter", drafter_args))
-        services.append(start_service("verifier", shlex.split(args.verifier_args)))
+        for role, role_args in (("drafter", drafter_args), ("verifier", shlex.split(args.verifier_args))):
+            try:
+                services.append(start_service(role, role_args))
+            except RuntimeError as exc:  # the service's own error line, not a traceback
+                lines = str(exc).splitlines()
+                errors = [line for line in lines if "error:" in line]
+                raise SpecDecError(f"the {role} did not start: {errors[-1] if errors else lines[0]}") from None
         drafter, verifier = (s.address for s in services)
         print(f"drafter at {drafter}, verifier at {verifier}", flush=True)
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
         with SpeculativeClient(verifier, drafter=drafter, num_speculative_tokens=gamma) as client:
             print(f"drafter: {client.drafter_info.model}  verifier: {client.verifier_info.model}  gamma={gamma}\n")
             client.generate(prompts[0], params.replace(max_tokens=4), chat=True)  # warm-up both sides

@@ -44,7 +44,7 @@ MAX_LOGPROBS = 20
 class SamplingParams:
     """Per-request sampling parameters with vLLM's names, defaults and meanings.
 
-    temperature 0 selects greedy decoding; top_k 0 and top_p 1 disable those filters. max_tokens / stop / include_stop_str_in_output are enforced by the client;
+    temperature 0 selects greedy decoding; top_k 0 (or -1, as vLLM) and top_p 1 disable those filters. max_tokens / stop / include_stop_str_in_output are enforced by the client;
     the others travel to both services, which apply the same processors (`process_logits`).
 
     acceptance_method: "rejection" (default; lossless speculative sampling), "greedy"
@@ -84,6 +84,8 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
         object.__setattr__(self, "stop_token_ids", tuple(map(int, self.stop_token_ids)))
+        if self.top_k == -1:  # vLLM's "off", stored as ours (0) so equal settings compare equal
+            object.__setattr__(self, "top_k", 0)
 
     @property
     def greedy(self) -> bool:
@@ -116,8 +118,8 @@ class SamplingParams:
             raise InvalidArgument("stop", f"stop strings must be strings, got {self.stop!r}")
         if finite("temperature") < 0:
             raise InvalidArgument("temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidArgument("top_k", f"must be >= 0 (0 disables top-k), got {self.top_k}")
+        if self.top_k < -1:
+            raise InvalidArgument("top_k", f"must be >= -1 (-1 or 0 disables top-k), got {self.top_k}")
         if not (0.0 < finite("top_p") <= 1.0):
             raise InvalidArgument("top_p", f"must be in (0, 1] (1 disables top-p), got {self.top_p}")
         if not (0.0 <= finite("min_p") <= 1.0):

@@ -18,12 +18,17 @@ from tests.conftest import chi_square_pvalue
 
 @pytest.mark.parametrize(
     "field,value",
-    [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("min_p", 2.0), ("max_tokens", 0)],
+    [("temperature", -0.1), ("temperature", 1e308), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0),
+     ("max_tokens", 0)],
 )
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(InvalidArgument) as err:
         SamplingParams(**{field: value})
     assert err.value.field == field
+
+
+def test_top_k_minus_one_is_off_as_in_vllm():
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0) and SamplingParams(top_k=-1).top_k == 0
 
 
 def test_top_k_keeps_exactly_k_tokens():

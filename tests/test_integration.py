@@ -122,7 +122,7 @@ def test_bad_input_gets_clear_status_codes_and_the_session_survives(drafter_stub
         ("temperature", dict(append_token_ids=[1], num_draft_tokens=1), pb.SamplingParams(temperature=-1)),
         ("top_p", dict(append_token_ids=[1], num_draft_tokens=1), pb.SamplingParams(top_p=0.0)),
         ("top_p", dict(append_token_ids=[1], num_draft_tokens=1), pb.SamplingParams(top_p=1.5)),
-        ("top_k", dict(append_token_ids=[1], num_draft_tokens=1), pb.SamplingParams(top_k=-1)),
+        ("top_k", dict(append_token_ids=[1], num_draft_tokens=1), pb.SamplingParams(top_k=-2)),
         ("append_token_ids", dict(append_token_ids=[]), None),
         ("truncate_to", dict(append_token_ids=[1], truncate_to=-5), None),
     ]

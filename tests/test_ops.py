@@ -200,3 +200,32 @@ def test_a_bad_model_path_or_environment_value_is_named_in_one_line(tmp_path):
         run = subprocess.run([sys.executable, "-m", "cli", "verifier", *args], capture_output=True, text=True,
                              timeout=120, env={**os.environ, "HF_HOME": str(tmp_path / "hf"), **env})
         assert run.returncode != 0 and expected in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("case", ["max-sessions 0", "kv-budget 0", "not a certificate", "missing token file",
+                                  "cuda without CUDA", "bench against no verifier", "a result file that is a list"])
+def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path):
+    """Flags that cannot serve, files that are not what their flag needs, a device torch cannot
+    use, a service that is not there: each is refused by name, before any model loads."""
+    import torch
+
+    if case == "cuda without CUDA" and torch.cuda.is_available():
+        pytest.skip("this torch has CUDA: --device cuda is valid here")
+    bad = tmp_path / "bad.pem"
+    bad.write_text("not a certificate\n")
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]\n")
+    argv, code, says = {
+        "max-sessions 0": (["verifier", "--max-sessions", "0"], 2, "--max-sessions must be > 0"),
+        "kv-budget 0": (["drafter", "--kv-budget-mb", "0"], 2, "--kv-budget-mb must be > 0"),
+        "not a certificate": (["verifier", "--tls-cert", str(bad), "--tls-key", str(bad)], 2,
+                              "--tls-cert"),
+        "missing token file": (["drafter", "--auth-token-file", str(tmp_path / "none")], 2, "--auth-token-file"),
+        "cuda without CUDA": (["verifier", "--device", "cuda"], 2, "no CUDA device is usable"),
+        "bench against no verifier": (["bench", "serve", "--verifier", "127.0.0.1:1", "--target-only",
+                                       "--num-prompts", "1", "--max-tokens", "2"], 1, "UNAVAILABLE"),
+        "a result file that is a list": (["bench", "compare-results", str(listed), str(listed)], 2, str(listed)),
+    }[case]
+    run = subprocess.run([sys.executable, "-m", "cli", *argv], capture_output=True, text=True, timeout=120)
+    assert run.returncode == code and says in run.stderr, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
