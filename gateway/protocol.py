@@ -247,7 +247,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_token
                                         "completion.", code="context_length_exceeded")
     if max_tokens is None:
         # an unset max_tokens never makes a prompt that fits fail: the default shrinks to the room left
-        max_tokens = max_context - prompt_tokens if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, max_context - prompt_tokens)
+        room = max_context - prompt_tokens
+        max_tokens = room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
     elif prompt_tokens + max_tokens > max_context:
         raise bad_request(max_field, f"This model's maximum context length is {max_context} tokens. However, you "
                                      f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
