@@ -192,15 +192,18 @@ class SpeculativeClient:
 
     def _background(self, make: Callable[[], object]) -> None:
         """Run the coroutine `make()` as a task on the client's loop, from any thread."""
-        def spawn() -> None:
-            task = self._loop.create_task(make())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
         if threading.current_thread() is self._thread:
-            spawn()
+            self._held(make())
         else:
-            self._loop.call_soon_threadsafe(spawn)
+            self._loop.call_soon_threadsafe(lambda: self._held(make()))
+
+    def _held(self, coro) -> asyncio.Task:
+        """`coro` as a task on the client's loop (from the loop's thread), held in `_tasks` until
+        done: a task only weakly referenced may vanish, and close() waits for these."""
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _join_pools(self) -> None:
         """Ask every server for its model at once; set verifier_info / drafter_info: the first
@@ -968,11 +971,8 @@ class SpeculativeClient:
         if link.session_id is not None:
             server, session_id = link.server, link.session_id
             link.server, link.session_id = None, None
-            closing = self._loop.create_task(self._close_quietly(server.astub, session_id))
-            self._tasks.add(closing)
-            closing.add_done_callback(self._tasks.discard)
             try:
-                await asyncio.shield(closing)
+                await asyncio.shield(self._held(self._close_quietly(server.astub, session_id)))
             finally:
                 self.verifiers.release(server)
 
