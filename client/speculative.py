@@ -854,10 +854,26 @@ class SpeculativeClient:
         that lost the previous session) or the first connection error. The caller re-prefills."""
         deadline = time.monotonic() + self.recovery_timeout_s
         lost_from = link.lost_from
+        refused_since, poll = None, _REFUSED_POLL_S
         while True:
-            errors = await self._open_session(self.verifiers, link, _VERIFIER_LOST, self._check_verifier)
+            refused: list[grpc.RpcError] = []
+            errors = await self._open_session(self.verifiers, link, _VERIFIER_LOST, self._check_verifier, refused)
             if link.session_id is not None:
                 break
+            if refused:
+                # A verifier this client shares with others (other gateways, other processes)
+                # had every session mid-call: it admits one as soon as a call ends and a session
+                # is idle to evict. Queue for up to timeout_s as for this client's own sessions.
+                now = time.monotonic()
+                refused_since = refused_since or now
+                if now - refused_since >= self.timeout_s:
+                    raise TimeoutError(f"every verifier refused a session for {self.timeout_s:g} s (the last: "
+                                       f"{refused[-1].details()}); raise --max-sessions or add verifiers")
+                await asyncio.sleep(min(poll, self.timeout_s - (now - refused_since)))
+                poll = min(2 * poll, _POLL_S)
+                deadline = time.monotonic() + self.recovery_timeout_s
+                continue
+            refused_since, poll = None, _REFUSED_POLL_S
             if not errors and self.verifiers.full():
                 # Queued: every verifier holds all the sessions it admits; one frees when a
                 # generation ends. (Picking one anyway would evict an idle session to re-prefill.)
@@ -881,11 +897,14 @@ class SpeculativeClient:
         if lost_from is not None:
             log.info("verifier session=%s on %s; re-prefilling", link.session_id, link.server.address)
 
-    async def _open_session(self, pool: ServerPool, link: "_Link", lost: frozenset, check) -> list[grpc.RpcError]:
+    async def _open_session(self, pool: ServerPool, link: "_Link", lost: frozenset, check,
+                            refused: list[grpc.RpcError] | None = None) -> list[grpc.RpcError]:
         """Open a session for `link` on the least-loaded ready server of `pool`, trying each
         at most once. A server not known to fit since its last failure is asked for its model
         first and `check`ed (one that fails is left out of the pool for good). Returns the
-        connection errors met; link.session_id stays None if no server took the session."""
+        connection errors met; link.session_id stays None if no server took the session. With
+        `refused`, a server that answers RESOURCE_EXHAUSTED (no session idle to evict) is full
+        for now, not down: its error goes there and the rest of the pool is tried."""
         short = min(self.timeout_s, 5.0)
         tried: list[Server] = []
         errors: list[grpc.RpcError] = []
@@ -915,6 +934,11 @@ class SpeculativeClient:
                 session_id = opened.session_id
             except grpc.RpcError as exc:
                 pool.release(server)
+                if refused is not None and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    log.info("%s %s is full (%s); trying the rest of the pool", pool.role, server.address,
+                             exc.details())
+                    refused.append(exc)
+                    continue
                 if exc.code() not in lost:
                     raise
                 log.info("%s %s unavailable code=%s; trying the rest of the pool", pool.role, server.address,
@@ -1010,6 +1034,7 @@ _DRAFTER_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE
 _VERIFIER_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                             grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED})
 _POLL_S = 0.25  # how often a generation waiting for a verifier looks at the pool again
+_REFUSED_POLL_S = 0.02  # the first wait after a verifier refused a session (doubling to _POLL_S)
 @dataclass
 class _Link:
     """One generation's session on one server of a pool (None while it has none), the

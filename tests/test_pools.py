@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import socket
 import threading
 import time
 from types import SimpleNamespace
 
+import grpc
 import pytest
 
 from client.launcher import start_service
@@ -20,6 +22,7 @@ from client.speculative import GenerationResult, IncompatibleModels, Speculative
 from specdec.sampling import SamplingParams
 from specdec.serving import ModelInfo
 from specdec_rpc import specdec_pb2 as pb
+from specdec_rpc import specdec_pb2_grpc as pb_grpc
 from tests.conftest import stream_concurrently, wait_for
 
 ARGS = ["--max-draft-tokens", "8", "--log-level", "WARNING"]
@@ -353,3 +356,32 @@ def test_generations_past_a_verifiers_max_sessions_queue_instead_of_evicting_eac
         assert stats.evictions == 0 and peak == 2, (stats.evictions, peak)
     finally:
         small.kill()
+
+
+def test_a_verifier_full_of_other_clients_calls_queues_a_generation_instead_of_failing_it():
+    """Another process holds a verifier's only session mid-call (a long prefill), so OpenSession
+    answers RESOURCE_EXHAUSTED (no idle session to evict). That is the verifier full for now,
+    not down: the generation waits until the call ends and then gets a session (the other
+    one, idle, is evicted); with timeout_s shorter than the wait it fails with TimeoutError
+    (the gateway's 503 upstream_full) saying so, instead of failing at once."""
+    svc = start_service("verifier", ARGS + ["--max-sessions", "1"], threads=1)
+    try:
+        with SpeculativeClient(svc.address) as client, SpeculativeClient(svc.address, timeout_s=0.3) as impatient:
+            expected = client.generate(PROMPTS[0], GREEDY, target_only=True).token_ids
+            with grpc.insecure_channel(svc.address) as channel, concurrent.futures.ThreadPoolExecutor(1) as pool:
+                stub = pb_grpc.VerifierStub(channel)
+                other = stub.OpenSession(pb.OpenSessionRequest()).session_id  # our session (closed) is gone
+                busy = pool.submit(stub.Verify, pb.VerifyRequest(
+                    session_id=other, append_token_ids=[100 + i % 300 for i in range(1500)],
+                    sampling=pb.SamplingParams(temperature=0.0)))
+                time.sleep(0.3)  # the prefill (seconds on one thread) is in flight
+                start = time.monotonic()
+                with pytest.raises(TimeoutError, match="refused a session for 0.3 s .*call in flight"):
+                    impatient.generate(PROMPTS[0], GREEDY, target_only=True)
+                assert time.monotonic() - start >= 0.3 and not busy.done()
+                result = client.generate(PROMPTS[0], GREEDY, target_only=True)
+                assert busy.done() and busy.result().kv_length == 1500
+                assert stub.GetStats(pb.StatsRequest()).evictions == 1
+            assert result.token_ids == expected
+    finally:
+        svc.kill()
