@@ -13,6 +13,26 @@ import sys
 from specdec.argtypes import positive as _positive
 
 
+def _output_file(text: str) -> str:
+    """An argparse type: a file path whose directory exists (checked before a run of minutes,
+    not when its result is written)."""
+    path = os.path.abspath(text)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    if not os.path.isdir(os.path.dirname(path)):
+        raise argparse.ArgumentTypeError(f"no directory {os.path.dirname(text) or '.'!r} to write "
+                                         f"{os.path.basename(text)!r} in")
+    return text
+
+
+def _dataset(text: str) -> str:
+    """An argparse type: the shipped set's name or a file (its content is checked on loading)."""
+    if text != "specbench" and not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is {'a directory' if os.path.isdir(text) else 'no file'}; give "
+                                         "'specbench', a .jsonl file or a ShareGPT JSON file")
+    return text
+
+
 def _goodput_slo(text: str) -> tuple[str, float]:
     from bench.serve import SLO_METRICS
 
@@ -43,7 +63,7 @@ def _gamma(text: str) -> int | str:
 
 
 def _add_dataset_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: int) -> None:
-    p.add_argument("--dataset", default="specbench",
+    p.add_argument("--dataset", type=_dataset, default="specbench",
                    help="'specbench' (the shipped 126 prompts, 7 categories), a ShareGPT JSON file, or a .jsonl "
                         "file of {\"prompt\": ...} lines (vLLM's custom dataset)")
     p.add_argument("--num-prompts", type=_positive("--num-prompts"), default=num_prompts)
@@ -81,9 +101,10 @@ def _add_workload_args(p: argparse.ArgumentParser, verifier_required: bool = Tru
                    help="hard bound on the run: unsent requests fail, in-flight ones stop after their round")
     p.add_argument("--goodput", type=_goodput_slo, nargs="+", default=[], metavar="NAME:MS",
                    help="SLOs in ms, e.g. --goodput ttft:500 tpot:50 e2el:10000")
-    p.add_argument("--warmup-requests", type=int, default=1, help="unmeasured requests before the run")
-    p.add_argument("--result-json", default=None, help="write the result here")
-    p.add_argument("--plot", default=None, help="write a PNG here")
+    p.add_argument("--warmup-requests", type=_positive("--warmup-requests", zero=True), default=1,
+                   help="unmeasured requests before the run")
+    p.add_argument("--result-json", type=_output_file, default=None, help="write the result here")
+    p.add_argument("--plot", type=_output_file, default=None, help="write a PNG here")
     p.add_argument("--disable-tqdm", action="store_true")
 
 
@@ -137,7 +158,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_positive("--threads"), default=2, help="torch threads of the HF runs")
     p.add_argument("--service-threads", type=_positive("--service-threads"), default=2,
                    help="torch threads of the services this command starts")
-    p.add_argument("--result-json", default=None)
+    p.add_argument("--result-json", type=_output_file, default=None)
 
     v = sub.add_parser("verifier", help="verifier throughput vs concurrency (continuous batching)")
     v.add_argument("--verifier", default=None, help="HOST:PORT (default: start one here)")

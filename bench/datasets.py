@@ -120,8 +120,9 @@ def load_dataset(dataset: str) -> list[BenchPrompt]:
     if dataset == SHIPPED:
         return load_shipped()
     if not Path(dataset).is_file():
+        why = "a directory" if Path(dataset).is_dir() else "no such file"
         raise ValueError(f"--dataset must be '{SHIPPED}', a .jsonl file or a ShareGPT JSON file, got {dataset!r} "
-                         "(no such file)")
+                         f"({why})")
     if dataset.endswith(".jsonl"):
         return load_jsonl(dataset)
     return load_sharegpt(dataset)

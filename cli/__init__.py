@@ -88,7 +88,8 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
         p.add_argument("--speculation-slots", type=positive("--speculation-slots", zero=True), default=16,
                        help="KV slots for branches pre-drafted while the verifier works (requests with fanout > 0), "
                             "shared by all sessions; 0 turns the speculation cache off")
-    p.add_argument("--grace-s", type=float, default=5.0, help="on SIGTERM, wait this long for in-flight calls")
+    p.add_argument("--grace-s", type=positive("--grace-s", float, zero=True), default=5.0,
+                   help="on SIGTERM, wait this long for in-flight calls")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -249,7 +250,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--presence-penalty", type=float, default=0.0)
     p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--logprobs", type=int, default=None, help="top-N logprobs of each generated token")
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="top-N logprobs of each generated token: a line per token after the text (with --json, "
+                        "in the result)")
     p.add_argument("--acceptance-method", default="rejection", choices=["rejection", "greedy", "typical"],
                    help="typical acceptance is not lossless")
     p.add_argument("--posterior-threshold", type=float, default=0.09)
@@ -331,7 +334,7 @@ def _add_gateway_parser(sub) -> None:
     _add_client_security_args(gw)
     gw.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve HTTPS (with --ssl-keyfile)")
     gw.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile")
-    gw.add_argument("--grace-s", type=float, default=5.0,
+    gw.add_argument("--grace-s", type=positive("--grace-s", float, zero=True), default=5.0,
                     help="on SIGTERM, let requests in flight finish for this long, then cancel them")
     gw.add_argument("--log-level", default="INFO")
     # Only SPECDEC_GATEWAY_*: the shared SPECDEC_PORT, SPECDEC_TLS_CA, ... configure the services'

@@ -39,10 +39,24 @@ def _run_generate(args: argparse.Namespace, params) -> int:
             print(chunk.text, end="", flush=True)
             result = chunk.result
         assert result is not None
+        if result.logprobs is not None:
+            print()
+            _print_logprobs(result.logprobs, client.tokenizer)
         print(f"\n[{len(result.token_ids)} tokens in {result.elapsed_s:.2f} s = {result.tokens_per_s:.1f} tok/s; "
               f"rounds {result.num_rounds}; acceptance {result.acceptance_rate:.3f}; finish {result.finish_reason}]",
               file=sys.stderr)
     return 0
+
+
+def _print_logprobs(entries: list[dict], tokenizer) -> None:
+    """--logprobs without --json: a line per generated token, its logprob and rank under the
+    target, then the top-N alternatives (the same entries --json prints, readable)."""
+    def show(token_id: int) -> str:
+        return repr(tokenizer.decode([token_id]))
+
+    for entry in entries:
+        top = "  ".join(f"{show(t)} {lp:.3f}" for t, lp in entry["top_logprobs"].items())
+        print(f"{show(entry['token_id']):>16} {entry['logprob']:9.4f}  rank {entry['rank']:<5} {top}")
 
 
 def health_command(args: argparse.Namespace) -> int:

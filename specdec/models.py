@@ -328,6 +328,10 @@ def _eos_ids(generation_config, config) -> list[int]:
 def _max_context(config, spec: ModelSpec) -> int:
     """Positions a session may hold: min(the model's maximum, --max-model-len or 2048)."""
     config_len = int(getattr(config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
+    if spec.max_model_len is not None and spec.max_model_len > config_len:
+        # vLLM refuses this; positions past the trained ones are not a context worth serving.
+        log.warning("--max-model-len %d is above the model's %d positions (max_position_embeddings): "
+                    "serving %d", spec.max_model_len, config_len, config_len)
     return min(config_len, spec.max_model_len or DEFAULT_MAX_MODEL_LEN)
 
 

@@ -279,3 +279,18 @@ def test_the_engine_waits_for_unary_stragglers_but_not_for_a_clients_step_messag
         sched.shutdown()
     assert ["unary-a", "unary-b"] in batches  # the lone call waited for the next one
     assert ["step-a"] in batches and ["step-b"] in batches  # the message's row went at once
+
+
+def test_max_model_len_above_the_models_positions_serves_the_model_and_says_so(caplog):
+    """--max-model-len above max_position_embeddings serves the model's positions with a
+    warning naming both (vLLM refuses it outright); below, it is the context as asked."""
+    from types import SimpleNamespace
+
+    from specdec.models import ModelSpec, _max_context
+
+    config = SimpleNamespace(max_position_embeddings=1024)
+    with caplog.at_level("WARNING", logger="specdec.models"):
+        assert _max_context(config, ModelSpec(max_model_len=512)) == 512
+        assert not caplog.records
+        assert _max_context(config, ModelSpec(max_model_len=4096)) == 1024
+    assert "--max-model-len 4096 is above the model's 1024 positions" in caplog.text

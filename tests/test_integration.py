@@ -6,6 +6,7 @@ import asyncio
 
 import collections
 import json
+import re
 import subprocess
 import sys
 import time
@@ -247,6 +248,22 @@ def test_cli_generate_json_speculative_and_target_only(drafter_proc, verifier_pr
                 "elapsed_s"):
         assert key in s and key in b
     assert s["token_ids"] == b["token_ids"] and b["num_draft_tokens"] == 0 and s["num_draft_tokens"] > 0
+
+
+def test_cli_generate_prints_logprobs_without_json_as_json_gives_them(verifier_proc):
+    """--logprobs without --json: a line per generated token after the text, with the
+    logprob, rank and top-N that --json's result holds for the same (greedy) generation."""
+    common = ["generate", "--verifier", verifier_proc.address, "--target-only", "--prompt", "Name a colour.",
+              "--chat", "--max-tokens", "6", "--ignore-eos", "--logprobs", "2"]
+    text, js = _cli(*common), _cli(*common, "--json")
+    assert text.returncode == 0 and js.returncode == 0, text.stderr + js.stderr
+    entries = json.loads(js.stdout)["logprobs"]
+    lines = text.stdout.splitlines()[-6:]
+    assert len(entries) == 6 and len(lines) == 6, text.stdout
+    for line, entry in zip(lines, entries):
+        numbers = re.findall(r"-?\d+\.\d+", line)
+        assert float(numbers[0]) == pytest.approx(entry["logprob"], abs=1e-4), (line, entry)
+        assert f"rank {entry['rank']} " in line and len(numbers) == 1 + len(entry["top_logprobs"]) == 3, line
 
 
 @pytest.mark.parametrize("flag,value", [("--temperature", "-1"), ("--top-p", "2"), ("--top-k", "-3"),
