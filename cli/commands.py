@@ -31,7 +31,7 @@ def _run_generate(args: argparse.Namespace, params) -> int:
         if args.json:
             result = client.generate(args.prompt, params, num_speculative_tokens=args.num_speculative_tokens,
                                      target_only=args.target_only, chat=args.chat, fanout=args.fanout)
-            print(json.dumps(result.to_dict()))
+            print(json.dumps(_json_safe(result.to_dict()), allow_nan=False))
             return 0
         result = None
         for chunk in client.stream(args.prompt, params, num_speculative_tokens=args.num_speculative_tokens,
@@ -46,6 +46,18 @@ def _run_generate(args: argparse.Namespace, params) -> int:
               f"rounds {result.num_rounds}; acceptance {result.acceptance_rate:.3f}; finish {result.finish_reason}]",
               file=sys.stderr)
     return 0
+
+
+def _json_safe(value):
+    """`value` with every -inf (the logprob of a token that top_k / top_p / min_p filtered out)
+    as -9999.0, as vLLM's server writes it: strict JSON readers (jq, JavaScript) refuse -Infinity."""
+    if isinstance(value, float):
+        return max(value, -9999.0)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def _print_logprobs(entries: list[dict], tokenizer) -> None:

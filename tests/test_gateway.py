@@ -224,6 +224,37 @@ def test_completion_logprobs_have_the_sampled_token_first_in_each_top_dict(oai, 
         assert len(top) <= k + 1 and (k == 0 or logprob == pytest.approx(max(top.values())))  # greedy: argmax
 
 
+def _strict_json(text: str):
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_logprobs_of_tokens_a_filter_removed_are_json_numbers_not_infinity(base_url, model, endpoint):
+    """top_k 1 leaves one token a position, so the other top-3 tokens have probability 0
+    under the processed distribution: -9999.0 as vLLM writes it, in strict JSON (a
+    ValueError and a 500 before, -Infinity in streams), streamed and not."""
+    body = {"model": model, "max_tokens": 3, "temperature": 1.0, "top_k": 1, "seed": 3, "ignore_eos": True}
+    if endpoint == "chat":
+        body.update(messages=[{"role": "user", "content": PROMPT}], logprobs=True, top_logprobs=3)
+    else:
+        body.update(prompt=PROMPT, logprobs=3)
+    url = f"{base_url}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}"
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    reply = httpx.post(url, json=body, headers=auth, timeout=120)
+    assert reply.status_code == 200, reply.text
+    lp = _strict_json(reply.text)["choices"][0]["logprobs"]
+    tops = ([[t["logprob"] for t in e["top_logprobs"]] for e in lp["content"]] if endpoint == "chat"
+            else [list(top.values()) for top in lp["top_logprobs"]])
+    assert len(tops) == 3 and all(len(top) >= 3 and top[0] == 0.0 and -9999.0 in top for top in tops), tops
+    with httpx.stream("POST", url, json={**body, "stream": True}, headers=auth, timeout=120) as streamed:
+        events = [line[6:] for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "Infinity" not in "".join(events)
+    assert all(_strict_json(event) for event in events[:-1])
+
+
 @pytest.mark.slow
 def test_health_answers_head_and_version_names_the_package(base_url):
     with httpx.Client(base_url=base_url) as http:

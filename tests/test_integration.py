@@ -264,6 +264,12 @@ def test_cli_generate_prints_logprobs_without_json_as_json_gives_them(verifier_p
         numbers = re.findall(r"-?\d+\.\d+", line)
         assert float(numbers[0]) == pytest.approx(entry["logprob"], abs=1e-4), (line, entry)
         assert f"rank {entry['rank']} " in line and len(numbers) == 1 + len(entry["top_logprobs"]) == 3, line
+    # top_k 1: the runner-up has logprob -inf under the processed distribution; strict JSON (jq)
+    # has no -Infinity, so it is -9999.0, as vLLM's server writes it.
+    filtered = _cli(*common, "--json", "--temperature", "1", "--top-k", "1", "--seed", "1")
+    assert filtered.returncode == 0, filtered.stderr
+    entries = json.loads(filtered.stdout, parse_constant=lambda c: pytest.fail(f"{c} in --json output"))["logprobs"]
+    assert all(sorted(e["top_logprobs"].values()) == [-9999.0, 0.0] for e in entries), entries
 
 
 @pytest.mark.parametrize("flag,value", [("--temperature", "-1"), ("--top-p", "2"), ("--top-k", "-3"),
