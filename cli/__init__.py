@@ -244,6 +244,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--include-stop-str-in-output", action="store_true",
+                   help="keep the stop string that ended the text at its end")
     p.add_argument("--stop-token-ids", type=int, nargs="*", default=[])
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--min-tokens", type=int, default=0)
@@ -274,6 +276,7 @@ def _params(args: argparse.Namespace):
 
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+                          include_stop_str_in_output=args.include_stop_str_in_output,
                           stop_token_ids=tuple(args.stop_token_ids), ignore_eos=args.ignore_eos,
                           min_tokens=args.min_tokens, repetition_penalty=args.repetition_penalty,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,

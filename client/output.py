@@ -16,6 +16,8 @@ class GenerationResult:
     token_ids: list[int]  # generated ids only
     prompt_token_ids: list[int]
     finish_reason: str  # "stop" (EOS, stop string or stop token) or "length"
+    # vLLM's: the stop string or stop token id that ended the generation; None for EOS and length
+    stop_reason: str | int | None = None
     num_rounds: int = 0
     num_draft_tokens: int = 0  # proposed
     num_accepted_tokens: int = 0  # accepted drafts
@@ -121,6 +123,7 @@ class OutputProcessor:
                 continue
             if tok in self._stop_ids:
                 result.finish_reason, self.finished = "stop", True
+                result.stop_reason = tok if tok in params.stop_token_ids else None  # EOS: None, as vLLM
             elif len(result.token_ids) >= params.max_tokens:
                 result.finish_reason, self.finished = "length", True
             if self.finished:
@@ -132,7 +135,9 @@ class OutputProcessor:
         cut = find_stop(text, stops, self._stop_search_start()) if stops else None
         if cut is not None:
             text, cut = self._end_at_stop(new, text, cut)
-            text, self.finished, result.finish_reason = text[:cut], True, "stop"
+            stop = next(s for s in params.stop if text.startswith(s, cut))
+            end = cut + len(stop) if params.include_stop_str_in_output else cut
+            text, self.finished, result.finish_reason, result.stop_reason = text[:end], True, "stop", stop
         stable = text if self.finished else text.rstrip("\ufffd")
         if not self.finished and params.stop:  # before min_tokens too: a stop string may end past it
             hold = max(map(len, params.stop)) - 1

@@ -63,7 +63,7 @@ _NOT_DONE: dict[str, object] = {
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
     "guided_decoding_backend": None, "guided_whitespace_pattern": None, "structured_outputs": None,
     "functions": None, "function_call": None, "use_beam_search": False, "length_penalty": None,
-    "prompt_logprobs": None, "include_stop_str_in_output": False, "bad_words": None, "allowed_token_ids": None,
+    "prompt_logprobs": None, "bad_words": None, "allowed_token_ids": None,
     "logits_processors": None, "truncate_prompt_tokens": None, "audio": None, "prediction": None,
     "chat_template": None, "skip_special_tokens": True, "spaces_between_special_tokens": True,
     "max_completion_tokens": None,  # /v1/completions only: chat defines it (max_tokens is completions')
@@ -94,6 +94,7 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
 
     def refuse_unsupported(self) -> None:
         extra = dict(self.model_extra or {})
@@ -273,6 +274,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_token
         "repetition_penalty": req.repetition_penalty,
         "ignore_eos": req.ignore_eos,
         "stop_token_ids": req.stop_token_ids,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
         "logprobs": logprobs,
     }
     fields = {"max_tokens": max_field, "logprobs": logprobs_field}
@@ -346,10 +348,11 @@ class ResponseBuilder:
             if self.chat:
                 choices.append({"index": index, "message": {"role": "assistant", "content": result.text,
                                                             "refusal": None},
-                                "logprobs": lp, "finish_reason": result.finish_reason})
+                                "logprobs": lp, "finish_reason": result.finish_reason,
+                                "stop_reason": result.stop_reason})
             else:
                 choices.append({"index": index, "text": result.text, "logprobs": lp,
-                                "finish_reason": result.finish_reason})
+                                "finish_reason": result.finish_reason, "stop_reason": result.stop_reason})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "system_fingerprint": None, "choices": choices,
                 "usage": self._usage(results), "speculative": speculative(*results)}
@@ -373,6 +376,7 @@ class ResponseBuilder:
             out.append(self._chunk({"content": text} if self.chat else text, None, lp, index))
         if result is not None:
             last = self._chunk({} if self.chat else "", result.finish_reason, index=index)
+            last["choices"][0]["stop_reason"] = result.stop_reason
             last["speculative"] = speculative(result)
             out.append(last)
         return out

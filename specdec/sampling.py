@@ -63,6 +63,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -86,6 +87,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(map(int, self.stop_token_ids)))
         if self.top_k == -1:  # vLLM's "off", stored as ours (0) so equal settings compare equal
             object.__setattr__(self, "top_k", 0)
+        if self.seed is not None and self.seed < 0:  # vLLM takes int64 seeds: kept as their uint64 bit pattern
+            object.__setattr__(self, "seed", self.seed & _MASK64)
 
     @property
     def greedy(self) -> bool:
@@ -124,8 +127,8 @@ class SamplingParams:
             raise InvalidArgument("top_p", f"must be in (0, 1] (1 disables top-p), got {self.top_p}")
         if not (0.0 <= finite("min_p") <= 1.0):
             raise InvalidArgument("min_p", f"must be in [0, 1] (0 disables min-p), got {self.min_p}")
-        if self.seed is not None and not (0 <= self.seed <= _MASK64):
-            raise InvalidArgument("seed", f"must be an unsigned 64-bit integer, got {self.seed}")
+        if self.seed is not None and not (-2**63 <= self.seed <= _MASK64):
+            raise InvalidArgument("seed", f"must be a 64-bit integer (signed or unsigned), got {self.seed}")
         if self.max_tokens < 1:
             raise InvalidArgument("max_tokens", f"must be >= 1, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:

@@ -19,7 +19,7 @@ from tests.conftest import chi_square_pvalue
 @pytest.mark.parametrize(
     "field,value",
     [("temperature", -0.1), ("temperature", 1e308), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0),
-     ("max_tokens", 0)],
+     ("max_tokens", 0), ("seed", -2**63 - 1), ("seed", 2**64)],
 )
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(InvalidArgument) as err:
@@ -29,6 +29,11 @@ def test_invalid_sampling_params_name_the_field(field, value):
 
 def test_top_k_minus_one_is_off_as_in_vllm():
     assert SamplingParams(top_k=-1) == SamplingParams(top_k=0) and SamplingParams(top_k=-1).top_k == 0
+
+
+def test_a_negative_seed_is_its_uint64_bit_pattern_as_vllm_takes_int64_seeds():
+    assert SamplingParams(seed=-5).seed == 2**64 - 5 and SamplingParams(seed=-2**63).seed == 2**63
+    assert SamplingParams(seed=-5) == SamplingParams(seed=2**64 - 5) != SamplingParams(seed=5)
 
 
 def test_top_k_keeps_exactly_k_tokens():

@@ -224,6 +224,33 @@ def test_completion_logprobs_have_the_sampled_token_first_in_each_top_dict(oai, 
         assert len(top) <= k + 1 and (k == 0 or logprob == pytest.approx(max(top.values())))  # greedy: argmax
 
 
+def test_stop_reason_names_the_stop_and_include_stop_str_in_output_keeps_it(oai, model, chat_reply,
+                                                                           cli_generation):
+    """vLLM's stop_reason: the stop string or stop token id that ended a choice (None for EOS
+    and length), in the response and in the stream's last chunk; include_stop_str_in_output
+    keeps the stop string at the end of the text."""
+    def chat(**kwargs):
+        return oai.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPT}],
+                                           max_tokens=MAX_TOKENS, temperature=0, **kwargs)
+
+    free = chat_reply.choices[0].message.content
+    assert getattr(chat_reply.choices[0], "stop_reason", "absent") is None
+    stop = free.split()[3]  # a word the greedy reply reaches after a few tokens
+    head = free[:free.index(stop)]
+    cut, kept = chat(stop=[stop]), chat(stop=[stop], extra_body={"include_stop_str_in_output": True})
+    assert cut.choices[0].message.content == head and kept.choices[0].message.content == head + stop
+    assert cut.choices[0].stop_reason == kept.choices[0].stop_reason == stop
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = list(chat(stop=[stop], stream=True, extra_body={"include_stop_str_in_output": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == head + stop
+    assert streamed[-1].choices[0].stop_reason == stop
+    # A stop token id: the reply's third token (the CLI's greedy ids for the same request).
+    token = cli_generation["token_ids"][2]
+    by_id = chat(extra_body={"stop_token_ids": [token]})
+    assert by_id.choices[0].stop_reason == token and by_id.choices[0].finish_reason == "stop"
+    assert by_id.usage.completion_tokens == cli_generation["token_ids"].index(token) + 1
+
+
 def _strict_json(text: str):
     def refuse(constant: str):
         raise ValueError(f"{constant} is not JSON")

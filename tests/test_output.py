@@ -41,7 +41,7 @@ def test_a_stop_string_split_across_rounds_never_streams(tokenizer):
     # " STOP" is one token here; split the text so the stop's first characters come a round early.
     chunks = _rounds(out, [[i] for i in ids])
     streamed = "".join(c.text for c in chunks)
-    assert out.finished and out.result.finish_reason == "stop"
+    assert out.finished and out.result.finish_reason == "stop" and out.result.stop_reason == " STOP"
     assert out.result.text == " Hello world." == streamed
     assert "STOP" not in streamed and chunks[-1].result is out.result
 
@@ -62,22 +62,30 @@ def test_a_stop_string_ends_at_the_token_that_completes_it_whatever_the_round_si
     ids = _ids(tokenizer, " 6, 7, 8, 9, 10, 11, 12")
     runs = []
     for size in (1, 2, 3, 9, len(ids)):
-        out = _processor(tokenizer, max_tokens=50, stop=stop, min_tokens=min_tokens, logprobs=0)
-        chunks = []
-        for i in range(0, len(ids), size):
-            chunks.append(out.commit(ids[i:i + size], [{"logprob": -float(j)} for j in range(i, i + size)], 1.0))
-            if out.finished:
-                break
-        assert out.finished and out.result.finish_reason == "stop"
-        assert sum((c.token_ids for c in chunks), []) == out.result.token_ids
-        assert "".join(c.text for c in chunks) == out.result.text
-        assert [e["logprob"] for e in out.result.logprobs] == [-float(j) for j in range(len(out.result.token_ids))]
-        runs.append((out.result.token_ids, out.result.text, len(out.result.token_times_s)))
+        for include in (False, True):  # include_stop_str_in_output: the text goes on to the stop string's end
+            out = _processor(tokenizer, max_tokens=50, stop=stop, min_tokens=min_tokens, logprobs=0,
+                             include_stop_str_in_output=include)
+            chunks = []
+            for i in range(0, len(ids), size):
+                chunks.append(out.commit(ids[i:i + size], [{"logprob": -float(j)} for j in range(i, i + size)], 1.0))
+                if out.finished:
+                    break
+            assert out.finished and out.result.finish_reason == "stop" and out.result.stop_reason in stop
+            assert sum((c.token_ids for c in chunks), []) == out.result.token_ids
+            assert "".join(c.text for c in chunks) == out.result.text
+            assert [e["logprob"] for e in out.result.logprobs] == [-float(j) for j in range(len(out.result.token_ids))]
+            text = out.result.text
+            if include:
+                assert text.endswith(out.result.stop_reason)
+                text = text[:-len(out.result.stop_reason)]
+            runs.append((out.result.token_ids, text, len(out.result.token_times_s), out.result.stop_reason))
     assert all(run == runs[0] for run in runs), runs
     kept = len(runs[0][0])
     assert kept < len(ids) and runs[0][2] == kept
     if min_tokens:
         assert kept >= min_tokens
+    else:
+        assert runs[0][3] not in runs[0][1]  # the first occurrence stopped it
 
 
 def test_max_tokens_drops_the_rest_of_a_round(tokenizer):
@@ -95,7 +103,7 @@ def test_eos_ends_a_round_unless_before_min_tokens_or_ignored(tokenizer):
     word = _ids(tokenizer, " word")[0]
     stops = _processor(tokenizer, max_tokens=10)
     assert stops.commit([word, eos, word], None, now=1.0).token_ids == [word, eos]
-    assert stops.finished and stops.result.finish_reason == "stop"
+    assert stops.finished and stops.result.finish_reason == "stop" and stops.result.stop_reason is None  # as vLLM
 
     early = _processor(tokenizer, max_tokens=10, min_tokens=3)
     assert early.commit([word, eos, word], None, now=1.0).token_ids == [word, eos, word]
@@ -103,14 +111,14 @@ def test_eos_ends_a_round_unless_before_min_tokens_or_ignored(tokenizer):
 
     ignored = _processor(tokenizer, max_tokens=3, ignore_eos=True)
     ignored.commit([eos, eos, eos], None, now=1.0)
-    assert ignored.result.finish_reason == "length"
+    assert ignored.result.finish_reason == "length" and ignored.result.stop_reason is None
 
 
 def test_a_stop_token_id_ends_the_generation(tokenizer):
     ids = _ids(tokenizer, " a b c d")
     out = _processor(tokenizer, max_tokens=10, stop_token_ids=[ids[2]])
     assert out.commit(ids, None, now=1.0).token_ids == ids[:3]
-    assert out.result.finish_reason == "stop"
+    assert out.result.finish_reason == "stop" and out.result.stop_reason == ids[2]
 
 
 def test_an_incomplete_utf8_character_is_held_until_complete(tokenizer):
