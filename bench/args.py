@@ -22,6 +22,8 @@ def _output_file(text: str) -> str:
     if not os.path.isdir(os.path.dirname(path)):
         raise argparse.ArgumentTypeError(f"no directory {os.path.dirname(text) or '.'!r} to write "
                                          f"{os.path.basename(text)!r} in")
+    if not os.access(os.path.dirname(path), os.W_OK):  # e.g. a bind mount the container's user cannot write
+        raise argparse.ArgumentTypeError(f"directory {os.path.dirname(text) or '.'!r} is not writable")
     return text
 
 

@@ -16,14 +16,15 @@ def _pyplot():
     return plt
 
 
-def _accepted_histogram(ax, counts: Sequence[int], gamma: int) -> None:
+def _accepted_histogram(ax, counts: Sequence[int], gamma: int | str) -> None:
+    fixed = isinstance(gamma, int)
     if counts:
-        top = max(gamma, max(counts))
+        top = max(gamma if fixed else 0, max(counts))
         ax.hist(counts, bins=[b - 0.5 for b in range(top + 2)], rwidth=0.85, color="tab:blue")
         ax.set_xticks(range(top + 1))
     else:
         ax.text(0.5, 0.5, "no speculative rounds", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel(f"accepted drafts per round (rounds that drafted {gamma})")
+    ax.set_xlabel(f"accepted drafts per round (rounds that drafted {gamma if fixed else 'any'})")
     ax.set_ylabel("rounds")
     ax.set_title(f"Accepted tokens per round (gamma={gamma})")
 

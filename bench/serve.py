@@ -721,14 +721,16 @@ def format_categories(per_category: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def accepted_per_round(results: Iterable[dict], gamma: int) -> list[int]:
+def accepted_per_round(results: Iterable[dict], gamma: int | str) -> list[int]:
     """Accepted drafts of every round that drafted the full γ (completed requests; the
-    final rounds capped by max_tokens draft fewer and are left out when known)."""
+    final rounds capped by max_tokens draft fewer and are left out when known); under
+    γ "auto", of every round that drafted at all (its γ varies by round)."""
     counts = []
     for res in results:
         for r in res["per_request"]:
             if r["error"] is not None or not r["drafts_per_round"]:
                 continue  # unknown drafts per round (fallback rounds, EOS): cannot tell full rounds
             drafts = r["drafts_per_round"]
-            counts += [a for a, d in zip(r["accepted_per_round"], drafts) if d == gamma]
+            counts += [a for a, d in zip(r["accepted_per_round"], drafts)
+                       if (d == gamma if isinstance(gamma, int) else d > 0)]
     return counts

@@ -494,6 +494,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         import grpc
 
+        httpx = sys.modules.get("httpx")  # imported only by commands that speak HTTP (bench --backend openai)
+        if httpx is not None and isinstance(exc, httpx.HTTPError):
+            print(f"specdec {args.command}: error: {_http_error(exc)}", file=sys.stderr)
+            return 1
         if not isinstance(exc, grpc.RpcError):
             raise
         # a service that is down or refused the request (bench, demo): its status, not a traceback
@@ -501,6 +505,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specdec {args.command}: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     return 1
+
+
+def _http_error(exc) -> str:
+    """One line for an httpx error: the status and the server's own message (an OpenAI error
+    body's), or what failed on the way (connection refused, a timeout)."""
+    response = getattr(exc, "response", None)  # HTTPStatusError's; a RequestError has none
+    if response is None:
+        try:
+            where = f"{exc.request.method} {exc.request.url}: "
+        except RuntimeError:  # an error raised outside a request
+            where = ""
+        return f"{where}{type(exc).__name__}: {exc}"
+    try:
+        message = response.json()["error"]["message"]
+    except Exception:  # noqa: BLE001 - not an OpenAI error body
+        message = response.text[:200]
+    return f"{response.request.method} {response.request.url}: HTTP {response.status_code}: {message}"
 
 
 if __name__ == "__main__":

@@ -39,10 +39,10 @@ def _run_generate(args: argparse.Namespace, params) -> int:
             print(chunk.text, end="", flush=True)
             result = chunk.result
         assert result is not None
+        print()  # the text's line ends on stdout (a redirected file, the shell prompt after it)
         if result.logprobs is not None:
-            print()
             _print_logprobs(result.logprobs, client.tokenizer)
-        print(f"\n[{len(result.token_ids)} tokens in {result.elapsed_s:.2f} s = {result.tokens_per_s:.1f} tok/s; "
+        print(f"[{len(result.token_ids)} tokens in {result.elapsed_s:.2f} s = {result.tokens_per_s:.1f} tok/s; "
               f"rounds {result.num_rounds}; acceptance {result.acceptance_rate:.3f}; finish {result.finish_reason}]",
               file=sys.stderr)
     return 0
@@ -76,7 +76,7 @@ def health_command(args: argparse.Namespace) -> int:
     from specdec_rpc.ops import TLSFiles, check_health
 
     if args.url:
-        return _http_health(args.url, args.timeout_s)
+        return _http_health(args.url, args.timeout_s, args.tls_ca)
 
     try:
         status = check_health(args.address, args.service, timeout_s=args.timeout_s,
@@ -88,13 +88,16 @@ def health_command(args: argparse.Namespace) -> int:
     return 0 if status == "SERVING" else 1
 
 
-def _http_health(url: str, timeout_s: float) -> int:
-    """The gateway's /health: print its body; exit 0 only on 200 (its verifiers answer)."""
+def _http_health(url: str, timeout_s: float, ca: str | None = None) -> int:
+    """The gateway's /health: print its body; exit 0 only on 200 (its verifiers answer).
+    ca: the CA bundle that signed an HTTPS gateway's certificate (--tls-ca, as for gRPC)."""
+    import ssl
     import urllib.error
     import urllib.request
 
+    context = ssl.create_default_context(cafile=ca) if ca else None
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as reply:
             print(reply.read().decode())
             return 0
     except urllib.error.HTTPError as exc:

@@ -12,6 +12,7 @@ from scipy import stats
 from bench.datasets import CATEGORIES, CUSTOM, SHAREGPT, load_dataset, load_shipped
 from bench.serve import (
     LATENCY_METRICS,
+    accepted_per_round,
     RequestRecord,
     compute_metrics,
     efficiency,
@@ -265,3 +266,14 @@ def test_verifier_bench_reports_the_engine_step_and_the_cost_of_an_empty_call(ve
         # step, which a p50 round undercuts when step times spread), so the excess is positive
         assert level["p50_over_step_ms"] > 0 and 0 < level["efficiency"] <= 1.05
     assert res["levels"][1]["mean_step_rows"] > 1  # three sessions share steps
+
+
+def test_the_accepted_histogram_counts_full_rounds_of_a_fixed_gamma_and_every_drafting_round_under_auto():
+    """The plot's histogram: rounds that drafted the full γ for a fixed γ; under "auto" (γ
+    varies by round) every round that drafted. It came out empty under "auto" before."""
+    result = {"per_request": [
+        {"error": None, "drafts_per_round": [0, 4, 4, 2, 0], "accepted_per_round": [0, 3, 4, 1, 0]},
+        {"error": "failed", "drafts_per_round": [0, 4], "accepted_per_round": [0, 4]},
+    ]}
+    assert accepted_per_round([result], 4) == [3, 4]
+    assert accepted_per_round([result], "auto") == [3, 4, 1]

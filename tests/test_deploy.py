@@ -132,7 +132,9 @@ def test_compose_service_config_is_what_the_cli_parses(compose, monkeypatch, rol
     args = _parse(_service_argv(service), env, monkeypatch)
     assert args.command == role
     assert (args.host, args.port, args.device, args.metrics_port) == ("0.0.0.0", port, "cuda", 9100)
-    assert args.dtype == {"drafter": "float16", "verifier": "float32"}[role]
+    # The drafter keeps its default dtype (float16; int4 under --quantize auto on a bfloat16 CPU,
+    # which an explicit dtype would turn off in the CPU override).
+    assert args.dtype == {"drafter": None, "verifier": "float32"}[role]
     assert args.grace_s == 20.0 and args.max_draft_tokens == 16
     # Every SPECDEC_* variable but the cache dir names a real flag of the service.
     unknown = [k for k in env if k != "SPECDEC_CACHE" and not hasattr(args, k.removeprefix("SPECDEC_").lower())]
@@ -165,12 +167,16 @@ def test_compose_mounts_the_model_cache_volume_at_specdec_cache(compose):
         assert service["environment"]["SPECDEC_CACHE"] == CACHE_DIR, name
 
 
-def test_compose_loadgen_runs_bench_serve_against_the_service_names(compose, monkeypatch):
+def test_compose_loadgen_runs_bench_serve_against_the_service_names(compose, monkeypatch, tmp_path):
     service = compose["services"]["loadgen"]
     assert "deploy" not in service  # a client: no GPU
-    args = _parse(_service_argv(service), service["environment"], monkeypatch)
+    mount = next(v.split(":")[1] for v in service["volumes"] if v.startswith("./results:"))
+    # In the container the bind mount is there (and --result-json checks its directory): here, tmp_path.
+    argv = [a.replace(mount, str(tmp_path)) for a in _service_argv(service)]
+    args = _parse(argv, service["environment"], monkeypatch)
     assert (args.command, args.bench_command) == ("bench", "serve")
     assert (args.drafter, args.verifier) == ("drafter:50051", "verifier:50052")
+    assert args.result_json == str(tmp_path / "serve.json")
 
 
 def test_cpu_override_drops_gpu_reservations_and_sets_device_cpu(compose_cpu, monkeypatch):

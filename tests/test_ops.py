@@ -205,7 +205,7 @@ def test_a_bad_model_path_or_environment_value_is_named_in_one_line(tmp_path):
 @pytest.mark.parametrize("case", ["max-sessions 0", "kv-budget 0", "not a certificate", "missing token file",
                                   "cuda without CUDA", "bench against no verifier", "a result file that is a list",
                                   "result file in no directory", "negative grace", "negative warm-up",
-                                  "dataset that is a directory"])
+                                  "dataset that is a directory", "openai bench against no server"])
 def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path):
     """Flags that cannot serve, files that are not what their flag needs, a device torch cannot
     use, a service that is not there: each is refused by name, before any model loads."""
@@ -235,6 +235,9 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path):
                               "-1"], 2, "--warmup-requests must be >= 0"),
         "dataset that is a directory": (["bench", "serve", "--verifier", "127.0.0.1:1", "--target-only", "--dataset",
                                          str(tmp_path)], 2, "is a directory"),
+        "openai bench against no server": (["bench", "serve", "--backend", "openai", "--base-url", "http://127.0.0.1:1",
+                                            "--num-prompts", "1", "--max-tokens", "2"], 1,
+                                           "GET http://127.0.0.1:1/v1/models: ConnectError"),
     }[case]
     run = subprocess.run([sys.executable, "-m", "cli", *argv], capture_output=True, text=True, timeout=120)
     assert run.returncode == code and says in run.stderr, run.stderr[-2000:]

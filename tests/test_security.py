@@ -172,3 +172,18 @@ def test_generate_cli_takes_tls_and_token_flags(certs, tls_token_verifier):
     assert ok.returncode == 0, ok.stderr
     refused = subprocess.run(base, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
+
+
+def test_health_url_of_an_https_gateway_trusts_the_tls_ca_flag(certs):
+    """`specdec health --url https://...` verifies the gateway's certificate against --tls-ca
+    (it used the system store only: CERTIFICATE_VERIFY_FAILED for a private CA). The gateway's
+    verifier is unreachable, so a verified connection gets its /health answer: 503 connecting."""
+    with start_service("gateway", ["--verifier", "127.0.0.1:1", "--ssl-certfile", str(certs / "server.pem"),
+                                   "--ssl-keyfile", str(certs / "server.key"), "--log-level", "ERROR"]) as gw:
+        url = f"https://{gw.address}/health"
+        health = [sys.executable, "-m", "cli", "health", "--url", url, "--timeout-s", "10"]
+        trusted = subprocess.run(health + ["--tls-ca", str(certs / "ca.pem")], capture_output=True, text=True,
+                                 timeout=60)
+        untrusted = subprocess.run(health, capture_output=True, text=True, timeout=60)
+    assert trusted.returncode == 1 and "HTTP 503" in trusted.stderr, trusted.stderr
+    assert untrusted.returncode == 1 and "CERTIFICATE_VERIFY_FAILED" in untrusted.stderr, untrusted.stderr
