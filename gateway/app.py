@@ -86,6 +86,16 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
 
     app = FastAPI(title="specdec OpenAI-compatible gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.upstream, app.state.metrics = upstream, metrics
+    streams: set[asyncio.Queue] = set()  # the arrival queues of the open streams (_sse)
+
+    def end_streams(message: str) -> int:
+        """End every open stream with an error event (then `data: [DONE]`), e.g. just before a
+        shutdown's grace runs out, when the server would otherwise cut them mid-body."""
+        for arrived in list(streams):
+            arrived.put_nowait((0, APIError(503, message, type="service_unavailable", code="shutting_down")))
+        return len(streams)
+
+    app.state.end_streams = end_streams
 
     # ---- errors in OpenAI's shape ---------------------------------------------------------------
 
@@ -188,7 +198,7 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
             if body.stream:
                 # The background task runs once the stream ends, also when Starlette cancels it
                 # because the client left: the generations stop even before _sse is finalized.
-                return StreamingResponse(_sse(runs, firsts, builder), media_type="text/event-stream",
+                return StreamingResponse(_sse(runs, firsts, builder, streams), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                          background=BackgroundTask(_cancel, runs))
             results = await _race(request, asyncio.gather(*(_rest(r.gen, f, r.timer) for r, f in zip(runs, firsts))))
@@ -288,11 +298,14 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _sse(runs: list[_Choice], firsts: list[StreamChunk], builder: ResponseBuilder) -> AsyncIterator[str]:
+async def _sse(runs: list[_Choice], firsts: list[StreamChunk], builder: ResponseBuilder,
+               streams: set[asyncio.Queue]) -> AsyncIterator[str]:
     """One `data: {json}` event per body, then `data: [DONE]`; the choices' chunks go out in
     the order their rounds arrive. A disconnect cancels this generator at its await
-    (Starlette watches the connection), which cancels the generations."""
+    (Starlette watches the connection), which cancels the generations. `streams` holds
+    its arrival queue while it runs: an APIError put there ends it (the app's end_streams)."""
     arrived: asyncio.Queue = asyncio.Queue()
+    streams.add(arrived)
 
     async def pump(index: int) -> None:
         run, chunk = runs[index], firsts[index]
@@ -323,6 +336,7 @@ async def _sse(runs: list[_Choice], firsts: list[StreamChunk], builder: Response
             for body in builder.end(results):
                 yield _event(body)
     finally:
+        streams.discard(arrived)
         for task in pumps:
             task.cancel()
         _cancel(runs)

@@ -3,6 +3,7 @@ local launcher) and the line `gateway listening on HOST:PORT` names the port bou
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import ssl
 
@@ -12,15 +13,32 @@ from gateway.app import GatewayConfig, create_app
 from gateway.upstream import Upstream
 
 
+STREAM_END_MARGIN_S = 0.5  # streams still open this long before the grace ends get an error event
+
+
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, announce: str) -> None:
+    def __init__(self, config: uvicorn.Config, announce: str, end_streams) -> None:
         super().__init__(config)
         self._announce = announce
+        self._end_streams = end_streams
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
         if self.started:  # accepting connections now (the lifespan started the upstream connection)
             print(self._announce, flush=True)
+
+    async def shutdown(self, sockets=None) -> None:
+        """uvicorn's: stop accepting, let requests finish for the grace, cancel the rest. A
+        stream cancelled there ends mid-body (the client sees a broken chunked response), so
+        the streams still open just before the grace ends get an error event and [DONE]."""
+        grace = self.config.timeout_graceful_shutdown or 0.0
+        timer = asyncio.get_running_loop().call_later(
+            max(0.0, grace - STREAM_END_MARGIN_S), self._end_streams,
+            f"the gateway is shutting down: the stream ended after the {grace:g} s grace; retry the request")
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
 
 def serve(config: GatewayConfig, host: str = "127.0.0.1", port: int = 8000, *, grace_s: float = 5.0,
@@ -47,7 +65,8 @@ def serve(config: GatewayConfig, host: str = "127.0.0.1", port: int = 8000, *, g
         sock.close()
         raise OSError(f"could not listen on {host}:{port}: {exc.strerror or exc}") from None
     bound = sock.getsockname()[1]
-    uv_config = uvicorn.Config(create_app(config, upstream), log_level=log_level.lower(),
+    app = create_app(config, upstream)
+    uv_config = uvicorn.Config(app, log_level=log_level.lower(),
                                timeout_graceful_shutdown=grace_s,
                                ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, access_log=False,
                                log_config=None)  # uvicorn logs through the root logger: one format
@@ -56,4 +75,4 @@ def serve(config: GatewayConfig, host: str = "127.0.0.1", port: int = 8000, *, g
     announce = (f"gateway listening on {host}:{bound} url={scheme}://{host}:{bound}/v1 "
                 f"verifier={config.upstream.verifier} "
                 f"drafter={config.upstream.drafter} model={names} auth={config.api_key is not None}")
-    _Server(uv_config, announce).run(sockets=[sock])
+    _Server(uv_config, announce, app.state.end_streams).run(sockets=[sock])

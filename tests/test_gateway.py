@@ -251,6 +251,33 @@ def test_stop_reason_names_the_stop_and_include_stop_str_in_output_keeps_it(oai,
     assert by_id.usage.completion_tokens == cli_generation["token_ids"].index(token) + 1
 
 
+def test_a_stream_open_at_shutdown_ends_with_an_error_event_before_the_grace_runs_out(verifier_proc, drafter_proc):
+    """SIGTERM with a long stream open and --grace-s 2: the stream gets an error event (503,
+    `shutting_down`) and `data: [DONE]` before the grace ends, instead of a body cut mid-chunk
+    (and a CancelledError traceback in the log); the gateway exits and the generation's
+    sessions close."""
+    with start_gateway(verifier_proc.address, drafter_proc.address, ["--grace-s", "2", "--log-level", "INFO"]) as gw:
+        model = httpx.get(f"http://{gw.address}/v1/models", timeout=30).json()["data"][0]["id"]
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "temperature": 0,
+                "stream": True}
+        events = []
+        with httpx.stream("POST", f"http://{gw.address}/v1/completions", json=body, timeout=60) as streamed:
+            for line in streamed.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        start = time.monotonic()
+                        gw.proc.terminate()
+        ended = time.monotonic() - start
+        assert gw.proc.wait(timeout=30) in (0, -15)  # uvicorn re-raises the signal once it has shut down
+    assert events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "shutting_down" and "shutting down" in error["message"], error
+    assert 1.0 < ended < 2.0, ended  # at the grace less its margin, not at once and not past it
+    assert not any("Traceback" in line for line in gw.output), gw.output[-30:]
+    wait_for(lambda: _live_sessions(verifier_proc, drafter_proc) == [0, 0], 10, "the stream's sessions to close")
+
+
 def _strict_json(text: str):
     def refuse(constant: str):
         raise ValueError(f"{constant} is not JSON")
