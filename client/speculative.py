@@ -1035,6 +1035,8 @@ _VERIFIER_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLIN
                             grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED})
 _POLL_S = 0.25  # how often a generation waiting for a verifier looks at the pool again
 _REFUSED_POLL_S = 0.02  # the first wait after a verifier refused a session (doubling to _POLL_S)
+
+
 @dataclass
 class _Link:
     """One generation's session on one server of a pool (None while it has none), the
