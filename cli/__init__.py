@@ -74,6 +74,10 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--max-wait-ms", type=float, default=10.0,
                    help="how long a non-full batch waits for more requests, only while batches hold > 1 request")
     p.add_argument("--session-ttl-s", type=float, default=600.0, help="idle sessions are closed after this")
+    p.add_argument("--evict-after-idle-s", type=positive("--evict-after-idle-s", float, zero=True), default=2.0,
+                   help="when full, a new session evicts the least recently used one idle at least this long "
+                        "(a generation between rounds is idle for milliseconds); none: RESOURCE_EXHAUSTED, "
+                        "and clients queue. 0: evict any session without a call in flight")
     if role == "verifier":
         p.add_argument("--speculative-disable-by-batch-size", type=positive("--speculative-disable-by-batch-size",
                                                                             zero=True), default=None,
@@ -210,7 +214,8 @@ def _serve(args: argparse.Namespace, role: str) -> int:
                      quantize=quantize, max_model_len=args.max_model_len, cpu_linear=args.cpu_linear,
                      prefill_dtype=prefill_dtype, fast_path=args.fast_path)
     config = EngineConfig(max_draft_tokens=args.max_draft_tokens, max_sessions=args.max_sessions,
-                          session_ttl_s=args.session_ttl_s, kv_budget_mb=args.kv_budget_mb,
+                          session_ttl_s=args.session_ttl_s, evict_after_idle_s=args.evict_after_idle_s,
+                          kv_budget_mb=args.kv_budget_mb,
                           max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
                           speculation_slots=getattr(args, "speculation_slots", 0),
                           sampler_backend=getattr(args, "sampler_backend", "auto"),

@@ -173,6 +173,7 @@ class EngineConfig:
     max_draft_tokens: int = 16
     max_sessions: int = 256
     session_ttl_s: float = 600.0
+    evict_after_idle_s: float = 2.0  # a full server evicts only sessions idle this long (specdec.sessions)
     kv_budget_mb: float | None = None  # None: no byte budget, only max_sessions
     max_batch_size: int = 32
     max_wait_ms: float = 10.0
@@ -215,6 +216,7 @@ class ServingModel:
         max_sessions = self._configure_pool(config, budget)
         self.sessions = SessionStore(
             self.lm.new_cache, self.lm.crop, max_sessions=max_sessions, ttl_s=config.session_ttl_s,
+            evict_after_idle_s=config.evict_after_idle_s,
             kv_budget_bytes=budget, cache_bytes=self.lm.cache_bytes,
         )
         self.running = RunningSessions()

@@ -168,7 +168,10 @@ def test_abandoned_sessions_expire_and_memory_returns():
 
 
 def test_resource_exhausted_when_every_session_is_busy_and_eviction_otherwise():
-    svc = start_service("verifier", ["--max-sessions", "1", "--log-level", "WARNING"], threads=1)
+    """A full verifier refuses a new session while the only one has a call in flight, and
+    for --evict-after-idle-s after it (a generation between rounds); then evicts it."""
+    svc = start_service("verifier", ["--max-sessions", "1", "--evict-after-idle-s", "1", "--log-level", "WARNING"],
+                        threads=1)
     try:
         with grpc.insecure_channel(svc.address) as ch:
             stub = pb_grpc.VerifierStub(ch)
@@ -183,6 +186,10 @@ def test_resource_exhausted_when_every_session_is_busy_and_eviction_otherwise():
                     stub.OpenSession(pb.OpenSessionRequest())
                 assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert busy.result().kv_length == len(long_prompt)
+            with pytest.raises(grpc.RpcError) as err:  # a's call ended just now: not idle long enough
+                stub.OpenSession(pb.OpenSessionRequest())
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "within 1 s" in err.value.details()
+            time.sleep(1.1)
             b = stub.OpenSession(pb.OpenSessionRequest()).session_id  # a is idle now: evicted
             with pytest.raises(grpc.RpcError) as err:
                 stub.Verify(pb.VerifyRequest(session_id=a, truncate_to=len(long_prompt), append_token_ids=[5],
@@ -224,7 +231,10 @@ def test_evicted_session_is_reprefilled_and_the_output_is_unchanged(drafter_proc
     rounds has to come from the rounds themselves: here, the drafts.)"""
     from client.speculative import SpeculativeClient
 
-    svc = start_service("verifier", ["--max-sessions", "2", "--log-level", "WARNING"], threads=1)
+    # --evict-after-idle-s 0: any session without a call in flight may go (the default spares
+    # those idle less than 2 s, which a generation between its rounds always is).
+    svc = start_service("verifier", ["--max-sessions", "2", "--evict-after-idle-s", "0", "--log-level", "WARNING"],
+                        threads=1)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
         with SpeculativeClient(svc.address, drafter=drafter_proc.address, num_speculative_tokens=4) as c:

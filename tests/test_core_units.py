@@ -191,13 +191,17 @@ def test_session_cap_ttl_and_unknown_ids():
             store.open()
     now[0] = 3.0
     with store.use(b.session_id, 0):
-        pass  # b is now the most recently used: a is evicted to admit c
+        pass  # b is now the most recently used
+    # a's last call ended 1 s ago: a generation between rounds, not evicted (the new one queues)
+    with pytest.raises(ResourceExhausted, match="had one within 2 s; retry later"):
+        store.open()
+    now[0] = 4.5  # a idle 2.5 s, b 1.5 s: a is evicted to admit c
     store.open()
     assert len(store) == 2 and store.evictions == 1
     with pytest.raises(SessionNotFound, match="evicted"):
         with store.use(a.session_id, 0):
             pass
-    now[0] = 14.0
+    now[0] = 15.0
     assert store.expire_idle() == 2 and len(store) == 0
     with pytest.raises(SessionNotFound, match="expired"):
         with store.use(b.session_id, 0):

@@ -385,3 +385,29 @@ def test_a_verifier_full_of_other_clients_calls_queues_a_generation_instead_of_f
             assert result.token_ids == expected
     finally:
         svc.kill()
+
+
+def test_separate_clients_past_a_verifiers_max_sessions_queue_instead_of_evicting_each_other():
+    """Four separate clients (four gateways, say) and a verifier that admits 2 sessions: the
+    third and fourth generations wait for a session to end. The verifier evicts only sessions
+    idle for --evict-after-idle-s (2 s), and a generation between its rounds is idle for
+    milliseconds; before, each open evicted a running generation, which re-opened (evicting
+    another) and re-prefilled, over and over. The greedy output is the target's either way."""
+    small = start_service("verifier", ARGS + ["--max-sessions", "2"], threads=1)
+    try:
+        with SpeculativeClient(small.address) as solo:
+            expected = [solo.generate(p, GREEDY, target_only=True).token_ids for p in PROMPTS[:4]]
+        clients = [SpeculativeClient(small.address) for _ in range(4)]
+        try:
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                results = list(pool.map(lambda i: clients[i].generate(PROMPTS[i], GREEDY, target_only=True),
+                                        range(4)))
+            stats = clients[0].verifier.GetStats(pb.StatsRequest(), timeout=10)
+        finally:
+            for client in clients:
+                client.close()
+        assert [r.token_ids for r in results] == expected
+        assert stats.evictions == 0 and sum(r.verifier_recoveries for r in results) == 0, \
+            (stats.evictions, [r.verifier_recoveries for r in results])
+    finally:
+        small.kill()
