@@ -210,7 +210,9 @@ def test_the_kv_budget_sizes_the_pool_and_caps_sessions():
     failing for want of a slot."""
     lm = CausalLM(ModelSpec(dtype="float32", fast_path="on", max_model_len=64))
     slot_mib = lm.slots.new_slot_bytes() / 2**20
-    engine = VerifierEngine(lm.spec, EngineConfig(kv_budget_mb=6.5 * slot_mib, speculation_slots=0), lm=lm)
+    # evict_after_idle_s 0: the sessions opened one after another here are all idle for less than the default 2 s
+    engine = VerifierEngine(lm.spec, EngineConfig(kv_budget_mb=6.5 * slot_mib, speculation_slots=0,
+                                                  evict_after_idle_s=0.0), lm=lm)
     try:
         assert lm.pool.num_slots == 5  # 6.5 slots of budget: 5 + scratch
         assert engine.sessions.max_sessions == 4  # one slot kept for admission before eviction
