@@ -369,6 +369,9 @@ class SpeculativeClient:
         except TypeError:
             raise TypeError("prompt must be a string, a sequence of token ids or a sequence of chat messages "
                             f"({{'role', 'content'}} dicts), got {type(prompt).__name__}") from None
+        if chat:  # a template applies to text: ids would go out unchanged, which chat=True does not ask for
+            raise ValueError("chat=True applies the chat template to a string or to messages; token ids are sent "
+                             "as they are (apply the template when encoding them, or pass the text)")
         self._check_vocab(ids, "prompt token id")
         return ids
 

@@ -177,6 +177,8 @@ def test_the_python_client_takes_text_token_ids_or_chat_messages_and_names_what_
     assert as_messages.prompt_token_ids == client.encode_chat(messages)
     ids = client.encode_prompt("The capital of France is")
     assert client.generate(tuple(ids), greedy).token_ids == client.generate("The capital of France is", greedy).token_ids
+    with pytest.raises(ValueError, match="chat=True applies the chat template to a string or to messages"):
+        client.generate(ids, greedy, chat=True)  # the ids went out without a template before
     with pytest.raises(ValueError, match=f"token id {client.verifier_info.vocab_size} is outside"):
         client.generate([1, client.verifier_info.vocab_size], greedy)  # refused before any session opens
     with pytest.raises(TypeError, match="params must be a SamplingParams, got dict"):
