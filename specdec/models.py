@@ -325,6 +325,26 @@ def _eos_ids(generation_config, config) -> list[int]:
     return sorted({int(e) for e in ([eos] if isinstance(eos, int) else (eos or []))})
 
 
+def _sliding_window(config) -> bool:
+    """Whether some attention layer of the model (or of its text part) has a sliding window."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(config, "sliding_window", None)) and (
+        "sliding_attention" in (getattr(config, "layer_types", None) or ())
+        or getattr(config, "use_sliding_window", True) is not False)
+
+
+def decoder_blocks(model: torch.nn.Module) -> tuple[torch.nn.Module, str] | None:
+    """(module, attribute) holding a causal LM's decoder blocks as a ModuleList, wherever its
+    architecture keeps them: llama's model.layers, GPT-2's and Falcon's transformer.h,
+    GPT-NeoX's gpt_neox.layers, OPT's model.decoder.layers. None if there is no such list."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else None
+    for owner in (base, getattr(base, "decoder", None), getattr(model, "base_model", None)):
+        for name in ("layers", "h", "blocks"):
+            if owner is not None and isinstance(getattr(owner, name, None), torch.nn.ModuleList):
+                return owner, name
+    return None
+
+
 def _max_context(config, spec: ModelSpec) -> int:
     """Positions a session may hold: min(the model's maximum, --max-model-len or 2048)."""
     config_len = int(getattr(config, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
@@ -390,21 +410,27 @@ class CausalLM:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype, **kwargs)
             unpacked = None  # int4: the model before packing, for the prefill weights
             vocab_size = int(model.get_output_embeddings().weight.shape[0])  # rows of the LM head
-            if spec.quantize == "int8":
+            blocks = decoder_blocks(model) if spec.quantize in ("int8", "int4") else None
+            if spec.quantize in ("int8", "int4") and blocks is None:
+                log.warning("--quantize %s: no decoder layers found in %s; it runs unquantized", spec.quantize,
+                            type(model).__name__)
+            elif spec.quantize == "int8":
                 if spec.device != "cpu":
                     raise ValueError("--quantize int8 is a CPU option (dynamic int8 quantization)")
                 from torch.ao.quantization import quantize_dynamic
 
                 # Only the decoder layers: the tied embedding / LM head stays exact.
-                model.model.layers = quantize_dynamic(model.model.layers, {torch.nn.Linear}, dtype=torch.qint8)
-            if spec.quantize == "int4":
+                owner, name = blocks
+                setattr(owner, name, quantize_dynamic(getattr(owner, name), {torch.nn.Linear}, dtype=torch.qint8))
+            if spec.quantize == "int4" and blocks is not None:
                 import copy
 
                 from specdec.quantized import Int8WeightLinear, quantize_int4
 
                 if spec.prefill_dtype != "none":
                     unpacked = copy.deepcopy(model)
-                if quantize_int4(model.model.layers) == 0:  # widths not multiples of 32: nothing packs
+                owner, name = blocks
+                if quantize_int4(getattr(owner, name)) == 0:  # widths not multiples of 32: nothing packs
                     log.warning("--quantize int4: no decoder linear of this model packs; it runs unquantized")
                 head = model.get_output_embeddings()
                 if isinstance(head, torch.nn.Linear) and head.bias is None:
@@ -433,7 +459,7 @@ class CausalLM:
         usable = self.slots is not None and static_supported(self.model) and not spec.quantize
         if spec.fast_path == "on" and not usable:
             raise ValueError(f"--fast-path on needs a llama-family model ({', '.join(SUPPORTED_SLOT_TYPES)}) with "
-                             "static rotary scaling and no --quantize")
+                             "static rotary scaling, no sliding window and no --quantize")
         return usable and (spec.fast_path == "on" or (spec.fast_path == "auto" and self.device.type == "cuda"))
 
     def configure_pool(self, num_slots: int, max_batch: int = 32, max_width: int = 32,
@@ -529,6 +555,11 @@ class CausalLM:
             return self.slots.new_slot()
         from transformers import DynamicCache
 
+        if _sliding_window(self.config):
+            # Full layers: a sliding-window layer keeps only the window, so it cannot be cropped
+            # back past it (a rejected draft, a truncate_to) once the context is longer. The
+            # attention masks still apply the window, from the config.
+            return DynamicCache()
         return DynamicCache(config=self.config)
 
     @staticmethod
