@@ -1031,9 +1031,11 @@ class SpeculativeClient:
 
 # Status codes after which a side's session is gone or its server unreachable. Anything
 # else (INVALID_ARGUMENT, ...) is a wrong request and propagates. The drafter also falls
-# back when it is full (RESOURCE_EXHAUSTED): drafts are optional, the verifier is not.
+# back when it is full (RESOURCE_EXHAUSTED) or fails on its own (INTERNAL, UNKNOWN: a model
+# it cannot serve): drafts are optional, the verifier is not, and the output is the same.
 _DRAFTER_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND,
-                           grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED})
+                           grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
+                           grpc.StatusCode.UNKNOWN})
 _VERIFIER_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                             grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED})
 _POLL_S = 0.25  # how often a generation waiting for a verifier looks at the pool again

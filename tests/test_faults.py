@@ -273,3 +273,53 @@ def test_fuzzed_malformed_requests_get_expected_codes_and_do_not_disturb_a_gener
     finally:
         verifier.kill()
         drafter.kill()
+
+
+class _FailingDrafter(pb_grpc.DrafterServicer):
+    """A drafter that fails on its own after a few Drafts (INTERNAL, as a model it cannot
+    serve does): a real drafter behind it answers everything else."""
+
+    def __init__(self, upstream: str, good_drafts: int) -> None:
+        self._channel = grpc.insecure_channel(upstream)
+        self._stub = pb_grpc.DrafterStub(self._channel)
+        self.good_drafts = good_drafts
+        self.failed = 0
+
+    def GetModelInfo(self, request, context):
+        return self._stub.GetModelInfo(request)
+
+    def OpenSession(self, request, context):
+        return self._stub.OpenSession(request)
+
+    def CloseSession(self, request, context):
+        return self._stub.CloseSession(request)
+
+    def Draft(self, request, context):
+        if self.good_drafts > 0:
+            self.good_drafts -= 1
+            return self._stub.Draft(request)
+        self.failed += 1
+        context.abort(grpc.StatusCode.INTERNAL, "Draft failed on the server; see its log")
+
+
+def test_a_drafter_that_fails_internally_falls_back_to_target_only_rounds(verifier_proc, drafter_proc):
+    """A drafter's own failure (INTERNAL) mid-generation: the rounds go on without drafts and
+    the greedy output is target-only's; it failed the whole generation before, although the
+    drafter is optional."""
+    from concurrent import futures
+
+    proxy = _FailingDrafter(drafter_proc.address, good_drafts=3)
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_DrafterServicer_to_server(proxy, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with SpeculativeClient(verifier_proc.address, drafter=f"127.0.0.1:{port}") as client:
+            expected = client.generate(PROMPTS[0], GREEDY, target_only=True).token_ids
+            result = client.generate(PROMPTS[0], GREEDY, num_speculative_tokens=4)
+        assert result.token_ids == expected
+        assert proxy.failed >= 1 and result.drafter_failures >= 1 and result.drafter_fallback_rounds >= 1
+        assert result.num_accepted_tokens > 0  # the drafts before the failure were used
+    finally:
+        server.stop(0)
+        proxy._channel.close()
