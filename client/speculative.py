@@ -990,6 +990,8 @@ class SpeculativeClient:
         link.server, link.info, link.session_id, link.kv, link.lost_from = None, None, None, [], server
         if close:
             await self._close_quietly(server.astub, session_id)
+        elif code in _MAY_STILL_EXIST:  # off the round's path: the rounds go on without this server
+            self._held(self._close_quietly(server.astub, session_id))
 
     async def _end_verifier(self, link: "_Link") -> None:
         """Close the session and wait for it. A generation cancelled meanwhile (a caller that
@@ -1038,6 +1040,9 @@ _DRAFTER_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE
                            grpc.StatusCode.UNKNOWN})
 _VERIFIER_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                             grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED})
+# A lost session that the server may still hold (it answered with its own failure, or the
+# call ran past its deadline): closed in the background, or it would hold its KV for the TTL.
+_MAY_STILL_EXIST = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED})
 _POLL_S = 0.25  # how often a generation waiting for a verifier looks at the pool again
 _REFUSED_POLL_S = 0.02  # the first wait after a verifier refused a session (doubling to _POLL_S)
 

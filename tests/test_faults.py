@@ -309,6 +309,7 @@ def test_a_drafter_that_fails_internally_falls_back_to_target_only_rounds(verifi
     from concurrent import futures
 
     proxy = _FailingDrafter(drafter_proc.address, good_drafts=3)
+    before = proxy._stub.GetStats(pb.StatsRequest()).live_sessions
     server = grpc.server(futures.ThreadPoolExecutor(4))
     pb_grpc.add_DrafterServicer_to_server(proxy, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -320,6 +321,9 @@ def test_a_drafter_that_fails_internally_falls_back_to_target_only_rounds(verifi
         assert result.token_ids == expected
         assert proxy.failed >= 1 and result.drafter_failures >= 1 and result.drafter_fallback_rounds >= 1
         assert result.num_accepted_tokens > 0  # the drafts before the failure were used
+        # The session the failing drafter may still hold is closed, not left for its TTL.
+        wait_for(lambda: proxy._stub.GetStats(pb.StatsRequest()).live_sessions == before, 10,
+                 "the failed drafter's sessions to close")
     finally:
         server.stop(0)
         proxy._channel.close()

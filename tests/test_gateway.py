@@ -256,6 +256,7 @@ def test_a_stream_open_at_shutdown_ends_with_an_error_event_before_the_grace_run
     `shutting_down`) and `data: [DONE]` before the grace ends, instead of a body cut mid-chunk
     (and a CancelledError traceback in the log); the gateway exits and the generation's
     sessions close."""
+    before = _live_sessions(verifier_proc, drafter_proc)  # other tests' clients share these services
     with start_gateway(verifier_proc.address, drafter_proc.address, ["--grace-s", "2", "--log-level", "INFO"]) as gw:
         model = httpx.get(f"http://{gw.address}/v1/models", timeout=30).json()["data"][0]["id"]
         body = {"model": model, "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "temperature": 0,
@@ -275,7 +276,7 @@ def test_a_stream_open_at_shutdown_ends_with_an_error_event_before_the_grace_run
     assert error["code"] == "shutting_down" and "shutting down" in error["message"], error
     assert 1.0 < ended < 2.0, ended  # at the grace less its margin, not at once and not past it
     assert not any("Traceback" in line for line in gw.output), gw.output[-30:]
-    wait_for(lambda: _live_sessions(verifier_proc, drafter_proc) == [0, 0], 10, "the stream's sessions to close")
+    wait_for(lambda: _live_sessions(verifier_proc, drafter_proc) == before, 10, "the stream's sessions to close")
 
 
 def _strict_json(text: str):
