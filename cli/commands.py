@@ -19,6 +19,7 @@ def generate_command(args: argparse.Namespace, params) -> int:
 
 
 def _run_generate(args: argparse.Namespace, params) -> int:
+    from client.output import json_logprob
     from client.speculative import SpeculativeClient
     from cli import proposal_format
 
@@ -31,7 +32,12 @@ def _run_generate(args: argparse.Namespace, params) -> int:
         if args.json:
             result = client.generate(args.prompt, params, num_speculative_tokens=args.num_speculative_tokens,
                                      target_only=args.target_only, chat=args.chat, fanout=args.fanout)
-            print(json.dumps(_json_safe(result.to_dict()), allow_nan=False))
+            out = result.to_dict()
+            if out["logprobs"] is not None:
+                out["logprobs"] = [{**e, "logprob": json_logprob(e["logprob"]),
+                                    "top_logprobs": {t: json_logprob(v) for t, v in e["top_logprobs"].items()}}
+                                   for e in out["logprobs"]]
+            print(json.dumps(out, allow_nan=False))
             return 0
         result = None
         for chunk in client.stream(args.prompt, params, num_speculative_tokens=args.num_speculative_tokens,
@@ -46,18 +52,6 @@ def _run_generate(args: argparse.Namespace, params) -> int:
               f"rounds {result.num_rounds}; acceptance {result.acceptance_rate:.3f}; finish {result.finish_reason}]",
               file=sys.stderr)
     return 0
-
-
-def _json_safe(value):
-    """`value` with every -inf (the logprob of a token that top_k / top_p / min_p filtered out)
-    as -9999.0, as vLLM's server writes it: strict JSON readers (jq, JavaScript) refuse -Infinity."""
-    if isinstance(value, float):
-        return max(value, -9999.0)
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 def _print_logprobs(entries: list[dict], tokenizer) -> None:

@@ -73,6 +73,13 @@ class GenerationResult:
         return out
 
 
+def json_logprob(logprob: float) -> float:
+    """A logprob JSON can carry: a token that top_k / top_p / min_p filtered out has logprob
+    -inf under the processed distribution, which strict JSON (jq, JavaScript) has no word for;
+    vLLM's server writes it -9999.0, and so do the gateway and `generate --json`."""
+    return max(logprob, -9999.0)
+
+
 @dataclass(frozen=True)
 class StreamChunk:
     token_ids: list[int]  # tokens committed this round

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from client.output import json_logprob
 from client.speculative import GenerationResult, StreamChunk
 from specdec.errors import InvalidArgument
 from specdec.sampling import SamplingParams
@@ -409,7 +410,7 @@ class ResponseBuilder:
         if self.chat:
             def item(tok: int, lp: float) -> dict:
                 text = self.decode(tok)
-                return {"token": text, "logprob": _json_logprob(lp), "bytes": list(text.encode("utf-8"))}
+                return {"token": text, "logprob": json_logprob(lp), "bytes": list(text.encode("utf-8"))}
 
             return {"content": [{**item(e["token_id"], e["logprob"]),
                                  "top_logprobs": [item(t, v) for t, v in e["top_logprobs"].items()]}
@@ -420,18 +421,12 @@ class ResponseBuilder:
             offsets.append(offset)
             offset += len(text)
         self._offsets[index] = offset
-        return {"tokens": tokens, "token_logprobs": [_json_logprob(e["logprob"]) for e in entries],
+        return {"tokens": tokens, "token_logprobs": [json_logprob(e["logprob"]) for e in entries],
                 # As vLLM: the sampled token leads each top_logprobs dict (logprobs=0 gives just it).
-                "top_logprobs": [{self.decode(e["token_id"]): _json_logprob(e["logprob"]),
-                                  **{self.decode(t): _json_logprob(v) for t, v in e["top_logprobs"].items()}}
+                "top_logprobs": [{self.decode(e["token_id"]): json_logprob(e["logprob"]),
+                                  **{self.decode(t): json_logprob(v) for t, v in e["top_logprobs"].items()}}
                                  for e in entries],
                 "text_offset": offsets}
-
-
-def _json_logprob(logprob: float) -> float:
-    """A logprob JSON can carry: a token that top_k / top_p / min_p filtered out has logprob
-    -inf, which strict JSON has no word for (vLLM's server clamps it to -9999.0 the same way)."""
-    return max(logprob, -9999.0)
 
 
 def models_list(names: list[str], root: str, max_context: int, created: int) -> dict:
