@@ -212,8 +212,9 @@ def ensure_embedded_model(root: Path | None = None) -> Path:
         return target
 
 
-def _resolve(spec: ModelSpec) -> tuple[str, dict]:
-    """(path or id, extra from_pretrained kwargs), never reaching a hub."""
+def _resolve(spec: ModelSpec, markers: tuple[str, ...] = ("config.json",)) -> tuple[str, dict]:
+    """(path or id, extra from_pretrained kwargs), never reaching a hub. A folder must hold one of
+    `markers`: a model's config.json, or for a tokenizer alone its own files."""
     if spec.is_embedded:
         return str(ensure_embedded_model()), {}
     model, gguf = spec.model, spec.gguf_file
@@ -226,9 +227,9 @@ def _resolve(spec: ModelSpec) -> tuple[str, dict]:
     elif path.is_dir():
         if gguf and not (path / gguf).is_file():
             raise FileNotFoundError(f"no GGUF file {gguf!r} in model folder {model!r}")
-        if not gguf and not (path / "config.json").is_file():
-            raise ValueError(f"model folder {model!r} has no config.json (not a transformers model folder; "
-                             "for a GGUF model pass the .gguf file)")
+        if not gguf and not any((path / m).is_file() for m in markers):
+            raise ValueError(f"model folder {model!r} has no {' or '.join(markers)} (not a transformers "
+                             "folder; for a GGUF model pass the .gguf file)")
         model = str(path)
     elif model.startswith(("/", ".", "~")) or model.count("/") > 1:
         raise FileNotFoundError(f"no such model folder: {model!r}")
@@ -246,6 +247,9 @@ def _resolve(spec: ModelSpec) -> tuple[str, dict]:
     return model, kwargs
 
 
+TOKENIZER_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")
+
+
 def tokenizer_source(spec: ModelSpec) -> str:
     return spec.model if not spec.is_embedded else EMBEDDED
 
@@ -253,7 +257,9 @@ def tokenizer_source(spec: ModelSpec) -> str:
 def load_tokenizer(spec: ModelSpec):
     from transformers import AutoTokenizer
 
-    path, kwargs = _resolve(spec)
+    # a folder of tokenizer files alone (no config.json) is a tokenizer too: random-weight models
+    # are built on one
+    path, kwargs = _resolve(spec, TOKENIZER_FILES)
     return AutoTokenizer.from_pretrained(path, **kwargs)
 
 

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from client.launcher import start_service
 from client.speculative import SpeculativeClient
+from specdec.models import ModelSpec, load_tokenizer
 from specdec.sampling import SamplingParams
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
@@ -189,10 +190,12 @@ def test_a_bad_model_path_or_environment_value_is_named_in_one_line(tmp_path):
     never downloaded, $SPECDEC_VERIFIER_PORT=abc. Each is refused before loading, saying which."""
     (tmp_path / "weights.bin").write_bytes(b"")
     (tmp_path / "empty").mkdir()
+    load_tokenizer(ModelSpec()).save_pretrained(tmp_path / "tokenizer-only")
     cases = [
         ({}, ["--model", str(tmp_path / "missing")], "no such model folder"),
         ({}, ["--model", str(tmp_path / "weights.bin")], "is a file"),
         ({}, ["--model", str(tmp_path / "empty")], "has no config.json"),
+        ({}, ["--model", str(tmp_path / "tokenizer-only")], "has no config.json"),
         ({"HF_HUB_OFFLINE": "1"}, ["--model", "no-such-org/no-such-model"], "nor in the Hugging Face cache"),
         ({"SPECDEC_VERIFIER_PORT": "abc"}, [], "$SPECDEC_VERIFIER_PORT='abc'"),
     ]
@@ -200,6 +203,18 @@ def test_a_bad_model_path_or_environment_value_is_named_in_one_line(tmp_path):
         run = subprocess.run([sys.executable, "-m", "cli", "verifier", *args], capture_output=True, text=True,
                              timeout=120, env={**os.environ, "HF_HOME": str(tmp_path / "hf"), **env})
         assert run.returncode != 0 and expected in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
+def test_a_folder_of_tokenizer_files_alone_is_a_tokenizer(tmp_path):
+    """Random-weight models are built on a tokenizer folder without config.json (what
+    `scripts/gpu-check --prepare` carries to the GPU): it loads as a tokenizer, not as a model."""
+    from specdec.models import _resolve
+
+    load_tokenizer(ModelSpec()).save_pretrained(tmp_path)
+    assert not (tmp_path / "config.json").exists()
+    assert load_tokenizer(ModelSpec(model=str(tmp_path))).encode("a b c") == load_tokenizer(ModelSpec()).encode("a b c")
+    with pytest.raises(ValueError, match="has no config.json"):
+        _resolve(ModelSpec(model=str(tmp_path)))
 
 
 @pytest.mark.parametrize("case", ["max-sessions 0", "kv-budget 0", "not a certificate", "missing token file",
