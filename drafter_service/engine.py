@@ -270,23 +270,22 @@ class DrafterEngine(Drafter):
         work = self.speculation.work(self.config.max_batch_size, alive=self.sessions.__contains__)
         if not work:
             return False
-        rows = [Row(job.branches[0].slot, [job.last_draft], 1) if br is None else Row(br.slot, br.pending, 1)
-                for job, br in work]
         try:
-            logits = self.lm.forward_rows(rows)
+            logits = self.lm.forward_rows([Row(w.slot, w.tokens, 1) for w in work])
             advancing = []
-            for (job, branch), row_logits in zip(work, logits):
+            for w, row_logits in zip(work, logits):
+                job, branch = w.job, w.branch
                 if branch is None:
                     self._start_branches(job, row_logits)
                 else:
-                    branch.tokens.extend(branch.pending)
+                    branch.tokens.extend(w.tokens)
                     advancing.append((job, branch, self._propose(branch.tokens, job.key, branch.builder, row_logits)))
             for (job, branch, _), token in zip(advancing, _read_tokens([t for _, _, t in advancing])):
                 self._advance(job, branch, token)
         except Exception:  # noqa: BLE001 - a failed speculation only loses its branches
             log.exception("speculation step failed; dropping its jobs")
-            for job, _ in work:
-                self.speculation.drop(job.session_id)
+            for w in work:
+                self.speculation.drop(w.job.session_id)
         self.stats.add(forwards=1)
         return True
 

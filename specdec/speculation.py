@@ -72,6 +72,17 @@ class SpeculationJob:
 
 
 @dataclass
+class Work:
+    """One row of an idle forward: the job's probe (branch None) or its current branch,
+    with the slot it runs in and the ids it appends, as they were when it was chosen."""
+
+    job: SpeculationJob
+    branch: Branch | None
+    slot: Any
+    tokens: list[int]
+
+
+@dataclass
 class SpeculationStats:
     hits: int = 0  # answered wholly from a branch
     partial_hits: int = 0  # a branch supplied the first drafts, the rest were drafted on the critical path
@@ -155,12 +166,12 @@ class SpeculationCache:
             self._free.append(old_session_slot)
             self._trim()
 
-    def work(self, limit: int,
-             alive: Callable[[str], bool] = lambda sid: True) -> list[tuple[SpeculationJob, Branch | None]]:
+    def work(self, limit: int, alive: Callable[[str], bool] = lambda sid: True) -> list[Work]:
         """The next forward: per job (oldest first, at most `limit`), its probe (branch
         None) or its current branch, forked into a slot when it starts. Jobs of sessions
-        that are gone and jobs that cannot get a slot are dropped."""
-        out = []
+        that are gone and jobs that cannot get a slot are dropped. Each item's slot and
+        tokens are read under the lock: a gRPC thread may drop the job right after."""
+        out: list[Work] = []
         with self._lock:
             for sid in list(self._jobs):
                 if len(out) >= limit:
@@ -171,26 +182,27 @@ class SpeculationCache:
                 if not alive(sid):
                     self._release_job(self._jobs.pop(sid))
                     continue
+                # a full cache evicts an older job, but never one already in this forward
+                busy = {w.job.session_id for w in out} | {sid}
                 if job.candidates is None:
-                    branch = None
                     if not job.branches:  # the probe runs in the first branch's slot
-                        slot = self._acquire(exclude=sid)
+                        slot = self._acquire(exclude=busy)
                         if slot is None:
                             continue
                         self._copy_prefix(slot, job.source, len(job.prefix))
                         job.branches.append(Branch(job.sequence_len, -1, list(job.prefix), [job.last_draft], None,
                                                    slot=slot))
-                    out.append((job, None))
+                    out.append(Work(job, None, job.branches[0].slot, [job.last_draft]))
                     continue
                 branch = job.current()
                 if branch is None:
                     continue
                 if branch.slot is None:
-                    branch.slot = self._acquire(exclude=sid)
+                    branch.slot = self._acquire(exclude=busy)
                     if branch.slot is None:
                         continue
                     self._copy_prefix(branch.slot, job.source, len(job.prefix))
-                out.append((job, branch))
+                out.append(Work(job, branch, branch.slot, list(branch.pending)))
         return out
 
     def start(self, job: SpeculationJob, candidates: list[int], new_builder: Callable[[], Any]) -> None:
@@ -208,7 +220,7 @@ class SpeculationCache:
 
     # ---- slots --------------------------------------------------------------------
 
-    def _acquire(self, exclude: str) -> Any | None:
+    def _acquire(self, exclude: set[str]) -> Any | None:
         if self._free:
             return self._free.pop()
         if self._allocated < self.max_branch_slots:
@@ -216,7 +228,7 @@ class SpeculationCache:
             return self._new_slot()
         # Full: take the slots of the oldest other job that holds any (its session will miss).
         for sid, job in self._jobs.items():
-            if sid != exclude and any(b.slot is not None for b in job.branches):
+            if sid not in exclude and any(b.slot is not None for b in job.branches):
                 self._release_job(self._jobs.pop(sid))
                 return self._free.pop() if self._free else None
         return None

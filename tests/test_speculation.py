@@ -44,12 +44,13 @@ def _step(cache: SpeculationCache, candidates=(7, 8)) -> bool:
     """One idle step as the engine runs it: each job's probe (then its branches start), or
     one draft of its current branch (draft = 100 + its index). False when there is no work."""
     work = cache.work(limit=8)
-    for job, branch in work:
+    for w in work:
+        job, branch = w.job, w.branch
         if branch is None:
-            job.branches[0].slot.length = len(job.prefix)
+            w.slot.length = len(job.prefix)
             cache.start(job, list(candidates)[: job.fanout], builder_factory)
         else:
-            branch.tokens.extend(branch.pending)
+            branch.tokens.extend(w.tokens)
             branch.drafts.append(100 + len(branch.drafts))
             branch.pending = [] if branch.done(job.gamma) else [branch.drafts[-1]]
     return bool(work)
@@ -135,6 +136,32 @@ def test_slots_are_bounded_reused_and_the_oldest_job_gives_way():
     _run_to_completion(cache)
     assert len(made) == 3  # d ran in reused slots, nothing new allocated
     assert cache.candidates("d") == [7, 8]
+
+
+def test_one_forward_never_evicts_a_job_it_already_holds():
+    """A full cache gives the oldest job's slots to a newer one, but not within one forward:
+    each row of it keeps its own slot (the drafter's idle step failed with IndexError, its
+    probe's branches cleared by the next job's eviction)."""
+    cache, made = _cache(max_slots=1)
+    cache.submit(_job("a", fanout=1))
+    cache.submit(_job("b", fanout=1))
+    work = cache.work(limit=8)
+    assert [(w.job.session_id, w.slot) for w in work] == [("a", made[0])]  # b waits: no slot to take
+    assert cache._jobs["a"].branches[0].slot is made[0]
+    _run_to_completion(cache)  # then b, the newer job, takes a's slot in a later forward
+    assert len(made) == 1 and cache.candidates("b") == [7] and not cache.pending("a")
+
+
+def test_a_dropped_job_leaves_the_chosen_rows_intact():
+    """work() reads each row's slot and ids under the lock: a gRPC thread may close the
+    session between the choice and the forward."""
+    cache, made = _cache(max_slots=2)
+    cache.submit(_job("a"))
+    work = cache.work(limit=8)
+    cache.drop("a")  # the session closed meanwhile
+    assert work[0].slot is made[0] and work[0].tokens == [4] and work[0].job.branches == []
+    cache.start(work[0].job, [7, 8], builder_factory)  # the engine's next move: a no-op now
+    assert not cache.pending("a") and cache.work(limit=8) == []
 
 
 def test_a_new_job_supersedes_the_sessions_old_one_and_dead_sessions_are_dropped():
