@@ -263,6 +263,14 @@ def load_tokenizer(spec: ModelSpec):
     return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
+def device_uuid(device: torch.device | None) -> str:
+    """The physical accelerator's UUID, the same in every process that uses it whatever its
+    CUDA_VISIBLE_DEVICES index; "" on a CPU (or for a model-free drafter: None)."""
+    if device is None or device.type != "cuda":
+        return ""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """sha256 of the token -> id map: equal fingerprints mean ids mean the same text."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])

@@ -19,7 +19,7 @@ import torch
 
 from specdec.batching import BatchPolicy, BatchScheduler, WorkItem
 from specdec.errors import InvalidArgument, OutOfRange, ResourceExhausted
-from specdec.models import CausalLM, ModelSpec, tokenizer_source
+from specdec.models import CausalLM, ModelSpec, device_uuid, tokenizer_source
 from specdec.sampling import SamplingParams, TokenContext
 from specdec.sessions import SessionStore
 
@@ -40,6 +40,7 @@ class ModelInfo:
     max_draft_tokens: int
     max_sessions: int = 0  # sessions admitted at once; 0: not said (a server before this field)
     instance_id: str = ""  # random per server process; "": not said
+    device_uuid: str = ""  # the accelerator's UUID (CUDA); "": a CPU, or not said
 
 
 @dataclass(frozen=True)
@@ -237,6 +238,7 @@ class ServingModel:
             tokenizer_source=tokenizer_source(spec),
             dtype=spec.dtype + (f"+{spec.quantize}" if spec.quantize else ""),
             device=spec.device,
+            device_uuid=device_uuid(getattr(self.lm, "device", None)),
             max_draft_tokens=config.max_draft_tokens,
             max_sessions=max_sessions,
             instance_id=secrets.token_hex(8),

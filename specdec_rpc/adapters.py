@@ -178,6 +178,7 @@ def model_info_to_pb(info: ModelInfo) -> pb.ModelInfo:
         role=info.role,
         max_sessions=info.max_sessions,
         instance_id=info.instance_id,
+        device_uuid=info.device_uuid,
     )
 
 
@@ -195,6 +196,7 @@ def model_info_from_pb(msg: pb.ModelInfo) -> ModelInfo:
         max_draft_tokens=msg.max_draft_tokens,
         max_sessions=msg.max_sessions,
         instance_id=msg.instance_id,
+        device_uuid=msg.device_uuid,
     )
 
 

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/specdec.proto\x12\nspecdec.v1\"\x83\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x17\n\nmin_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x17\n\nignore_eos\x18\x0b \x01(\x08H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\n\x88\x01\x01\x12\x37\n\x11\x61\x63\x63\x65ptance_method\x18\r \x01(\x0e\x32\x1c.specdec.v1.AcceptanceMethod\x12 \n\x13posterior_threshold\x18\x0e \x01(\x02H\x0b\x88\x01\x01\x12\x1c\n\x0fposterior_alpha\x18\x0f \x01(\x02H\x0c\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_posterior_thresholdB\x12\n\x10_posterior_alpha\"i\n\x0eProposalFormat\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.specdec.v1.ProposalKind\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.specdec.v1.DType\x12\r\n\x05top_n\x18\x03 \x01(\x05\"\x85\x01\n\x08Proposal\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.specdec.v1.ProposalKind\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.specdec.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05probs\x18\x04 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x05 \x01(\x0c\"\x12\n\x10ModelInfoRequest\"\x85\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x03\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x18\n\x10max_draft_tokens\x18\x08 \x01(\x05\x12\x18\n\x10tokenizer_source\x18\t \x01(\t\x12\x0c\n\x04role\x18\n \x01(\t\x12\x14\n\x0cmax_sessions\x18\x0b \x01(\x05\x12\x13\n\x0binstance_id\x18\x0c \x01(\t\"\x14\n\x12OpenSessionRequest\">\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"\xf5\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0btruncate_to\x18\x02 \x01(\x03\x12\x18\n\x10\x61ppend_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x33\n\x0fproposal_format\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.ProposalFormat\x12\x15\n\rprompt_length\x18\x07 \x01(\x03\x12\x0e\n\x06\x66\x61nout\x18\x08 \x01(\x05\"\xa6\x01\n\rDraftResponse\x12\x17\n\x0f\x64raft_token_ids\x18\x01 \x03(\x05\x12&\n\x08proposal\x18\x02 \x01(\x0b\x32\x14.specdec.v1.Proposal\x12\x11\n\tkv_length\x18\x03 \x01(\x03\x12\x1b\n\x13\x63\x61\x63hed_draft_tokens\x18\x04 \x01(\x05\x12$\n\x04load\x18\x05 \x01(\x0b\x32\x16.specdec.v1.EngineLoad\"\xb3\x01\n\nEngineLoad\x12\x18\n\x10running_sessions\x18\x01 \x01(\x05\x12\x11\n\tstep_rows\x18\x02 \x01(\x05\x12\x13\n\x0bstep_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07step_ms\x18\x04 \x01(\x02\x12\x10\n\x08queue_ms\x18\x05 \x01(\x02\x12\x1c\n\x14speculation_disabled\x18\x06 \x01(\x08\x12\x11\n\tdevice_ms\x18\x07 \x01(\x02\x12\x0f\n\x07host_ms\x18\x08 \x01(\x02\"\xd8\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0btruncate_to\x18\x02 \x01(\x03\x12\x18\n\x10\x61ppend_token_ids\x18\x03 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x04 \x03(\x05\x12&\n\x08proposal\x18\x05 \x01(\x0b\x32\x14.specdec.v1.Proposal\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x15\n\rprompt_length\x18\x07 \x01(\x03\"[\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xa6\x01\n\x0eVerifyResponse\x12\x18\n\x10output_token_ids\x18\x01 \x03(\x05\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\x05\x12\x11\n\tkv_length\x18\x03 \x01(\x03\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\x12$\n\x04load\x18\x05 \x01(\x0b\x32\x16.specdec.v1.EngineLoad\"N\n\x12VerifyBatchRequest\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.specdec.v1.VerifyRequest\x12\x0b\n\x03tag\x18\x02 \x01(\x04\"[\n\x0cVerifyResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12,\n\x08response\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.VerifyResponse\"M\n\x13VerifyBatchResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.specdec.v1.VerifyResult\x12\x0b\n\x03tag\x18\x02 \x01(\x04\"\x0e\n\x0cStatsRequest\"\x9f\x03\n\x0bServerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x03\x12\x17\n\x0f\x66\x61iled_requests\x18\x03 \x01(\x03\x12\x10\n\x08\x66orwards\x18\x04 \x01(\x03\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\x03\x12\x16\n\x0e\x65mitted_tokens\x18\x07 \x01(\x03\x12\x15\n\rlive_sessions\x18\x08 \x01(\x03\x12\x11\n\tkv_tokens\x18\t \x01(\x03\x12\x10\n\x08kv_bytes\x18\n \x01(\x03\x12\x0f\n\x07\x62\x61tches\x18\x0b \x01(\x03\x12\x11\n\tevictions\x18\x0c \x01(\x03\x12\x18\n\x10speculation_hits\x18\r \x01(\x03\x12 \n\x18speculation_partial_hits\x18\x0e \x01(\x03\x12\x1a\n\x12speculation_misses\x18\x0f \x01(\x03\x12 \n\x18speculation_draft_tokens\x18\x10 \x01(\x03\x12$\n\x1cspeculation_dropped_branches\x18\x11 \x01(\x03*x\n\x10\x41\x63\x63\x65ptanceMethod\x12!\n\x1d\x41\x43\x43\x45PTANCE_METHOD_UNSPECIFIED\x10\x00\x12\x15\n\x11REJECTION_SAMPLER\x10\x01\x12\n\n\x06GREEDY\x10\x02\x12\x1e\n\x1aTYPICAL_ACCEPTANCE_SAMPLER\x10\x03*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03*X\n\x0cProposalKind\x12\x1d\n\x19PROPOSAL_KIND_UNSPECIFIED\x10\x00\x12\t\n\x05\x44\x45NSE\x10\x01\x12\x10\n\x0cSPARSE_TOP_N\x10\x02\x12\x0c\n\x08IDS_ONLY\x10\x03\x32\xee\x02\n\x07\x44rafter\x12\x43\n\x0cGetModelInfo\x12\x1c.specdec.v1.ModelInfoRequest\x1a\x15.specdec.v1.ModelInfo\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse\x12<\n\x05\x44raft\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse\x12=\n\x08GetStats\x12\x18.specdec.v1.StatsRequest\x1a\x17.specdec.v1.ServerStats2\x97\x04\n\x08Verifier\x12\x43\n\x0cGetModelInfo\x12\x1c.specdec.v1.ModelInfoRequest\x1a\x15.specdec.v1.ModelInfo\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12N\n\x0bVerifyBatch\x12\x1e.specdec.v1.VerifyBatchRequest\x1a\x1f.specdec.v1.VerifyBatchResponse\x12S\n\x0cVerifyStream\x12\x1e.specdec.v1.VerifyBatchRequest\x1a\x1f.specdec.v1.VerifyBatchResponse(\x01\x30\x01\x12=\n\x08GetStats\x12\x18.specdec.v1.StatsRequest\x1a\x17.specdec.v1.ServerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specdec/v1/specdec.proto\x12\nspecdec.v1\"\x83\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x17\n\nmin_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x17\n\nignore_eos\x18\x0b \x01(\x08H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\n\x88\x01\x01\x12\x37\n\x11\x61\x63\x63\x65ptance_method\x18\r \x01(\x0e\x32\x1c.specdec.v1.AcceptanceMethod\x12 \n\x13posterior_threshold\x18\x0e \x01(\x02H\x0b\x88\x01\x01\x12\x1c\n\x0fposterior_alpha\x18\x0f \x01(\x02H\x0c\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_posterior_thresholdB\x12\n\x10_posterior_alpha\"i\n\x0eProposalFormat\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.specdec.v1.ProposalKind\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.specdec.v1.DType\x12\r\n\x05top_n\x18\x03 \x01(\x05\"\x85\x01\n\x08Proposal\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.specdec.v1.ProposalKind\x12 \n\x05\x64type\x18\x02 \x01(\x0e\x32\x11.specdec.v1.DType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05probs\x18\x04 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x05 \x01(\x0c\"\x12\n\x10ModelInfoRequest\"\x9a\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x13\n\x0bmax_context\x18\x04 \x01(\x03\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\x12\x18\n\x10max_draft_tokens\x18\x08 \x01(\x05\x12\x18\n\x10tokenizer_source\x18\t \x01(\t\x12\x0c\n\x04role\x18\n \x01(\t\x12\x14\n\x0cmax_sessions\x18\x0b \x01(\x05\x12\x13\n\x0binstance_id\x18\x0c \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\r \x01(\t\"\x14\n\x12OpenSessionRequest\">\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"\xf5\x01\n\x0c\x44raftRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0btruncate_to\x18\x02 \x01(\x03\x12\x18\n\x10\x61ppend_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x33\n\x0fproposal_format\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.ProposalFormat\x12\x15\n\rprompt_length\x18\x07 \x01(\x03\x12\x0e\n\x06\x66\x61nout\x18\x08 \x01(\x05\"\xa6\x01\n\rDraftResponse\x12\x17\n\x0f\x64raft_token_ids\x18\x01 \x03(\x05\x12&\n\x08proposal\x18\x02 \x01(\x0b\x32\x14.specdec.v1.Proposal\x12\x11\n\tkv_length\x18\x03 \x01(\x03\x12\x1b\n\x13\x63\x61\x63hed_draft_tokens\x18\x04 \x01(\x05\x12$\n\x04load\x18\x05 \x01(\x0b\x32\x16.specdec.v1.EngineLoad\"\xb3\x01\n\nEngineLoad\x12\x18\n\x10running_sessions\x18\x01 \x01(\x05\x12\x11\n\tstep_rows\x18\x02 \x01(\x05\x12\x13\n\x0bstep_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07step_ms\x18\x04 \x01(\x02\x12\x10\n\x08queue_ms\x18\x05 \x01(\x02\x12\x1c\n\x14speculation_disabled\x18\x06 \x01(\x08\x12\x11\n\tdevice_ms\x18\x07 \x01(\x02\x12\x0f\n\x07host_ms\x18\x08 \x01(\x02\"\xd8\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0btruncate_to\x18\x02 \x01(\x03\x12\x18\n\x10\x61ppend_token_ids\x18\x03 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x04 \x03(\x05\x12&\n\x08proposal\x18\x05 \x01(\x0b\x32\x14.specdec.v1.Proposal\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x15\n\rprompt_length\x18\x07 \x01(\x03\"[\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xa6\x01\n\x0eVerifyResponse\x12\x18\n\x10output_token_ids\x18\x01 \x03(\x05\x12\x14\n\x0cnum_accepted\x18\x02 \x01(\x05\x12\x11\n\tkv_length\x18\x03 \x01(\x03\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\x12$\n\x04load\x18\x05 \x01(\x0b\x32\x16.specdec.v1.EngineLoad\"N\n\x12VerifyBatchRequest\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.specdec.v1.VerifyRequest\x12\x0b\n\x03tag\x18\x02 \x01(\x04\"[\n\x0cVerifyResult\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12,\n\x08response\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.VerifyResponse\"M\n\x13VerifyBatchResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.specdec.v1.VerifyResult\x12\x0b\n\x03tag\x18\x02 \x01(\x04\"\x0e\n\x0cStatsRequest\"\x9f\x03\n\x0bServerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x03\x12\x17\n\x0f\x66\x61iled_requests\x18\x03 \x01(\x03\x12\x10\n\x08\x66orwards\x18\x04 \x01(\x03\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\x03\x12\x16\n\x0e\x65mitted_tokens\x18\x07 \x01(\x03\x12\x15\n\rlive_sessions\x18\x08 \x01(\x03\x12\x11\n\tkv_tokens\x18\t \x01(\x03\x12\x10\n\x08kv_bytes\x18\n \x01(\x03\x12\x0f\n\x07\x62\x61tches\x18\x0b \x01(\x03\x12\x11\n\tevictions\x18\x0c \x01(\x03\x12\x18\n\x10speculation_hits\x18\r \x01(\x03\x12 \n\x18speculation_partial_hits\x18\x0e \x01(\x03\x12\x1a\n\x12speculation_misses\x18\x0f \x01(\x03\x12 \n\x18speculation_draft_tokens\x18\x10 \x01(\x03\x12$\n\x1cspeculation_dropped_branches\x18\x11 \x01(\x03*x\n\x10\x41\x63\x63\x65ptanceMethod\x12!\n\x1d\x41\x43\x43\x45PTANCE_METHOD_UNSPECIFIED\x10\x00\x12\x15\n\x11REJECTION_SAMPLER\x10\x01\x12\n\n\x06GREEDY\x10\x02\x12\x1e\n\x1aTYPICAL_ACCEPTANCE_SAMPLER\x10\x03*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03*X\n\x0cProposalKind\x12\x1d\n\x19PROPOSAL_KIND_UNSPECIFIED\x10\x00\x12\t\n\x05\x44\x45NSE\x10\x01\x12\x10\n\x0cSPARSE_TOP_N\x10\x02\x12\x0c\n\x08IDS_ONLY\x10\x03\x32\xee\x02\n\x07\x44rafter\x12\x43\n\x0cGetModelInfo\x12\x1c.specdec.v1.ModelInfoRequest\x1a\x15.specdec.v1.ModelInfo\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse\x12<\n\x05\x44raft\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse\x12=\n\x08GetStats\x12\x18.specdec.v1.StatsRequest\x1a\x17.specdec.v1.ServerStats2\x97\x04\n\x08Verifier\x12\x43\n\x0cGetModelInfo\x12\x1c.specdec.v1.ModelInfoRequest\x1a\x15.specdec.v1.ModelInfo\x12N\n\x0bOpenSession\x12\x1e.specdec.v1.OpenSessionRequest\x1a\x1f.specdec.v1.OpenSessionResponse\x12Q\n\x0c\x43loseSession\x12\x1f.specdec.v1.CloseSessionRequest\x1a .specdec.v1.CloseSessionResponse\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12N\n\x0bVerifyBatch\x12\x1e.specdec.v1.VerifyBatchRequest\x1a\x1f.specdec.v1.VerifyBatchResponse\x12S\n\x0cVerifyStream\x12\x1e.specdec.v1.VerifyBatchRequest\x1a\x1f.specdec.v1.VerifyBatchResponse(\x01\x30\x01\x12=\n\x08GetStats\x12\x18.specdec.v1.StatsRequest\x1a\x17.specdec.v1.ServerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.specdec_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ACCEPTANCEMETHOD']._serialized_start=3132
-  _globals['_ACCEPTANCEMETHOD']._serialized_end=3252
-  _globals['_DTYPE']._serialized_start=3254
-  _globals['_DTYPE']._serialized_end=3324
-  _globals['_PROPOSALKIND']._serialized_start=3326
-  _globals['_PROPOSALKIND']._serialized_end=3414
+  _globals['_ACCEPTANCEMETHOD']._serialized_start=3153
+  _globals['_ACCEPTANCEMETHOD']._serialized_end=3273
+  _globals['_DTYPE']._serialized_start=3275
+  _globals['_DTYPE']._serialized_end=3345
+  _globals['_PROPOSALKIND']._serialized_start=3347
+  _globals['_PROPOSALKIND']._serialized_end=3435
   _globals['_SAMPLINGPARAMS']._serialized_start=41
   _globals['_SAMPLINGPARAMS']._serialized_end=684
   _globals['_PROPOSALFORMAT']._serialized_start=686
@@ -46,39 +46,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELINFOREQUEST']._serialized_start=929
   _globals['_MODELINFOREQUEST']._serialized_end=947
   _globals['_MODELINFO']._serialized_start=950
-  _globals['_MODELINFO']._serialized_end=1211
-  _globals['_OPENSESSIONREQUEST']._serialized_start=1213
-  _globals['_OPENSESSIONREQUEST']._serialized_end=1233
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=1235
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=1297
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1299
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1340
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1342
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1364
-  _globals['_DRAFTREQUEST']._serialized_start=1367
-  _globals['_DRAFTREQUEST']._serialized_end=1612
-  _globals['_DRAFTRESPONSE']._serialized_start=1615
-  _globals['_DRAFTRESPONSE']._serialized_end=1781
-  _globals['_ENGINELOAD']._serialized_start=1784
-  _globals['_ENGINELOAD']._serialized_end=1963
-  _globals['_VERIFYREQUEST']._serialized_start=1966
-  _globals['_VERIFYREQUEST']._serialized_end=2182
-  _globals['_TOKENLOGPROBS']._serialized_start=2184
-  _globals['_TOKENLOGPROBS']._serialized_end=2275
-  _globals['_VERIFYRESPONSE']._serialized_start=2278
-  _globals['_VERIFYRESPONSE']._serialized_end=2444
-  _globals['_VERIFYBATCHREQUEST']._serialized_start=2446
-  _globals['_VERIFYBATCHREQUEST']._serialized_end=2524
-  _globals['_VERIFYRESULT']._serialized_start=2526
-  _globals['_VERIFYRESULT']._serialized_end=2617
-  _globals['_VERIFYBATCHRESPONSE']._serialized_start=2619
-  _globals['_VERIFYBATCHRESPONSE']._serialized_end=2696
-  _globals['_STATSREQUEST']._serialized_start=2698
-  _globals['_STATSREQUEST']._serialized_end=2712
-  _globals['_SERVERSTATS']._serialized_start=2715
-  _globals['_SERVERSTATS']._serialized_end=3130
-  _globals['_DRAFTER']._serialized_start=3417
-  _globals['_DRAFTER']._serialized_end=3783
-  _globals['_VERIFIER']._serialized_start=3786
-  _globals['_VERIFIER']._serialized_end=4321
+  _globals['_MODELINFO']._serialized_end=1232
+  _globals['_OPENSESSIONREQUEST']._serialized_start=1234
+  _globals['_OPENSESSIONREQUEST']._serialized_end=1254
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=1256
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=1318
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1320
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1361
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1363
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1385
+  _globals['_DRAFTREQUEST']._serialized_start=1388
+  _globals['_DRAFTREQUEST']._serialized_end=1633
+  _globals['_DRAFTRESPONSE']._serialized_start=1636
+  _globals['_DRAFTRESPONSE']._serialized_end=1802
+  _globals['_ENGINELOAD']._serialized_start=1805
+  _globals['_ENGINELOAD']._serialized_end=1984
+  _globals['_VERIFYREQUEST']._serialized_start=1987
+  _globals['_VERIFYREQUEST']._serialized_end=2203
+  _globals['_TOKENLOGPROBS']._serialized_start=2205
+  _globals['_TOKENLOGPROBS']._serialized_end=2296
+  _globals['_VERIFYRESPONSE']._serialized_start=2299
+  _globals['_VERIFYRESPONSE']._serialized_end=2465
+  _globals['_VERIFYBATCHREQUEST']._serialized_start=2467
+  _globals['_VERIFYBATCHREQUEST']._serialized_end=2545
+  _globals['_VERIFYRESULT']._serialized_start=2547
+  _globals['_VERIFYRESULT']._serialized_end=2638
+  _globals['_VERIFYBATCHRESPONSE']._serialized_start=2640
+  _globals['_VERIFYBATCHRESPONSE']._serialized_end=2717
+  _globals['_STATSREQUEST']._serialized_start=2719
+  _globals['_STATSREQUEST']._serialized_end=2733
+  _globals['_SERVERSTATS']._serialized_start=2736
+  _globals['_SERVERSTATS']._serialized_end=3151
+  _globals['_DRAFTER']._serialized_start=3438
+  _globals['_DRAFTER']._serialized_end=3804
+  _globals['_VERIFIER']._serialized_start=3807
+  _globals['_VERIFIER']._serialized_end=4342
 # @@protoc_insertion_point(module_scope)

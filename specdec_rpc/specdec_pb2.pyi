@@ -103,7 +103,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "eos_token_ids", "max_context", "tokenizer_fingerprint", "dtype", "device", "max_draft_tokens", "tokenizer_source", "role", "max_sessions", "instance_id")
+    __slots__ = ("model", "vocab_size", "eos_token_ids", "max_context", "tokenizer_fingerprint", "dtype", "device", "max_draft_tokens", "tokenizer_source", "role", "max_sessions", "instance_id", "device_uuid")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class ModelInfo(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -128,7 +129,8 @@ class ModelInfo(_message.Message):
     role: str
     max_sessions: int
     instance_id: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., tokenizer_source: _Optional[str] = ..., role: _Optional[str] = ..., max_sessions: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    device_uuid: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., tokenizer_source: _Optional[str] = ..., role: _Optional[str] = ..., max_sessions: _Optional[int] = ..., instance_id: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ()

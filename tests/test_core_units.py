@@ -303,3 +303,26 @@ def test_max_model_len_above_the_models_positions_serves_the_model_and_says_so(c
         assert not caplog.records
         assert _max_context(config, ModelSpec(max_model_len=4096)) == 1024
     assert "--max-model-len 4096 is above the model's 1024 positions" in caplog.text
+
+
+def test_engines_share_a_device_on_cpus_or_one_gpu_uuid():
+    """The client overlaps a drafter's prefill with the verifier's first round only on separate
+    devices: two processes on one GPU time-slice it, as two on one host share its cores."""
+    from client.speculative import shares_device
+    from specdec.serving import ModelInfo
+
+    def info(device: str, uuid: str = "") -> ModelInfo:
+        return ModelInfo(role="r", model="m", vocab_size=8, eos_token_ids=(0,), max_context=64,
+                         tokenizer_fingerprint="f", tokenizer_source="s", dtype="float32", device=device,
+                         max_draft_tokens=4, device_uuid=uuid)
+
+    gpu_a, gpu_b = "GPU-0c3e0f2a-aaaa", "GPU-7d1b9e44-bbbb"
+    assert shares_device(info("cpu"), info("cpu"))
+    assert shares_device(info("cuda", gpu_a), info("cuda:0", gpu_a))  # the index may differ per process
+    assert not shares_device(info("cuda", gpu_a), info("cuda", gpu_b))
+    assert not shares_device(info("cuda", gpu_a), info("cpu"))
+    assert not shares_device(info("cuda"), info("cuda"))  # a server before device_uuid: not known to share
+    assert not shares_device(None, info("cpu"))  # no drafter
+    from specdec_rpc.adapters import model_info_from_pb, model_info_to_pb
+
+    assert model_info_from_pb(model_info_to_pb(info("cuda", gpu_a))) == info("cuda", gpu_a)  # on the wire too
