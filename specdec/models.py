@@ -268,7 +268,8 @@ def device_uuid(device: torch.device | None) -> str:
     CUDA_VISIBLE_DEVICES index; "" on a CPU (or for a model-free drafter: None)."""
     if device is None or device.type != "cuda":
         return ""
-    return str(torch.cuda.get_device_properties(device).uuid)
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)  # not on every build (ROCm)
+    return "" if uuid is None else str(uuid)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
