@@ -375,6 +375,12 @@ class SpeculativeClient:
         self._check_vocab(ids, "prompt token id")
         return ids
 
+    def _past_drafter_vocab(self, ids: Sequence[int]) -> bool:
+        """Whether any id is past the drafter's LM head (which may be smaller than the verifier's)."""
+        info = self.drafter_info
+        return info is not None and info.vocab_size < self.verifier_info.vocab_size and max(ids, default=-1) >= \
+            info.vocab_size
+
     def _check_vocab(self, ids: Sequence[int], what: str) -> None:
         vocab = self.verifier_info.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
@@ -569,6 +575,10 @@ class SpeculativeClient:
                 f"prompt length {len(prompt_ids)} + max_tokens {params.max_tokens} exceeds the verifier's "
                 f"maximum context {max_context}"
             )
+        if speculative and self._past_drafter_vocab([*prompt_ids, *params.stop_token_ids]):
+            log.info("prompt or stop token ids past the drafter's vocabulary (%d): this generation runs target-only",
+                     self.drafter_info.vocab_size)
+            speculative = False
         # A seeded request's γ schedule follows from its own rounds only (AdaptiveGamma.deterministic):
         # the seed keys every draw by position, so the same rounds give the same output under any load.
         controller = (AdaptiveGamma(gamma_min=0, gamma_max=gamma_max, deterministic=params.seed is not None)
@@ -596,6 +606,12 @@ class SpeculativeClient:
                 logprobs = _logprobs_from_pb(response) if gen.result.logprobs is not None else None
                 chunk = gen.output.commit(response.output_token_ids, logprobs, time.perf_counter())
                 gen.committed += chunk.token_ids
+                if gen.gamma_max and self._past_drafter_vocab(chunk.token_ids):
+                    # The target chose a padding row of its larger head: the drafter cannot take
+                    # that id, so the rest of the generation is target-only (still exact).
+                    log.info("session=%s: the target emitted an id past the drafter's vocabulary (%d); target-only "
+                             "rounds from here", gen.verifier.session_id, self.drafter_info.vocab_size)
+                    gen.gamma_max = 0
                 yield chunk
         finally:
             await self._finish(gen)
@@ -978,6 +994,9 @@ class SpeculativeClient:
         if self.drafter_info is not None and info.max_context < self.drafter_info.max_context:
             raise IncompatibleModels(
                 f"drafter context {info.max_context} is below the pool's {self.drafter_info.max_context}")
+        if self.drafter_info is not None and info.vocab_size < self.drafter_info.vocab_size:
+            raise IncompatibleModels(
+                f"drafter vocab_size {info.vocab_size} is below the pool's {self.drafter_info.vocab_size}")
 
     async def _lose(self, pool: ServerPool, link: "_Link", code: grpc.StatusCode, close: bool = False) -> None:
         """`link`'s session is gone: give its slot back and tell the pool. NOT_FOUND means
@@ -1174,9 +1193,14 @@ def check_compatible(drafter: ModelInfo, verifier: ModelInfo) -> None:
             f"(fingerprints {drafter.tokenizer_fingerprint[:12]} vs {verifier.tokenizer_fingerprint[:12]}); "
             "speculative decoding needs one vocabulary"
         )
-    if drafter.vocab_size != verifier.vocab_size:
+    # One tokenizer, LM heads padded to different sizes (Qwen2.5: 151,936 rows up to 3B, 152,064
+    # from 7B): ids past the tokenizer are padding rows. A smaller drafter head only never
+    # proposes the ids past it (the verifier pads its proposals with zeros: exact); a larger one
+    # could draft ids the verifier cannot score.
+    if drafter.vocab_size > verifier.vocab_size:
         raise IncompatibleModels(
-            f"drafter vocab_size {drafter.vocab_size} differs from verifier vocab_size {verifier.vocab_size}"
+            f"drafter vocab_size {drafter.vocab_size} is larger than verifier vocab_size {verifier.vocab_size}: it "
+            "could draft ids the verifier has no logits for"
         )
 
 
@@ -1205,6 +1229,8 @@ def shares_device(drafter: ModelInfo | None, verifier: ModelInfo) -> bool:
 
 
 def _smallest_limits(info: ModelInfo, infos: Sequence[ModelInfo]) -> ModelInfo:
-    """`info` with the smallest max_context and max_draft_tokens of its pool: what any of them takes."""
+    """`info` with the smallest max_context, max_draft_tokens and vocab_size of its pool: what
+    any of them takes."""
     return replace(info, max_context=min(i.max_context for i in infos),
-                   max_draft_tokens=min(i.max_draft_tokens for i in infos))
+                   max_draft_tokens=min(i.max_draft_tokens for i in infos),
+                   vocab_size=min(i.vocab_size for i in infos))

@@ -141,9 +141,12 @@ def decode_proposal(proposal: Proposal, num_draft: int, vocab_size: int) -> torc
         raise InvalidArgument("proposal.shape", f"must be [{num_draft}, ...] for {num_draft} draft tokens, got {list(proposal.shape)}")
     probs = _from_bytes(proposal.probs, proposal.dtype, proposal.shape, "proposal.probs").float()
     if proposal.kind == DENSE:
-        if proposal.shape[1] != vocab_size:
-            raise InvalidArgument("proposal.shape", f"dense proposals are [{num_draft}, {vocab_size}], got {list(proposal.shape)}")
-        q = probs
+        # A drafter's LM head may be smaller than this one (padded heads of one tokenizer): its
+        # proposal gives the ids past it probability 0.
+        if not 1 <= proposal.shape[1] <= vocab_size:
+            raise InvalidArgument("proposal.shape", f"dense proposals are [{num_draft}, V] with 1 <= V <= {vocab_size}, "
+                                                    f"got {list(proposal.shape)}")
+        q = probs if proposal.shape[1] == vocab_size else torch.nn.functional.pad(probs, (0, vocab_size - proposal.shape[1]))
     elif proposal.kind == SPARSE:
         ids = _from_bytes(proposal.token_ids, "int32", proposal.shape, "proposal.token_ids").long()
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):

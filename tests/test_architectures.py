@@ -4,9 +4,11 @@ Greedy speculative output must equal target-only and a plain transformers forwar
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, MistralConfig, OPTConfig
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, OPTConfig
 
 from client.launcher import start_service
 from client.speculative import SpeculativeClient
@@ -70,3 +72,63 @@ def test_quantized_models_of_other_layouts_load_and_run(tmp_path, arch):
         assert any("quantized" in type(m).__module__ for m in getattr(owner, name).modules())
     logits = lm.forward([1000, 1001, 1002], lm.new_cache(), logits_to_keep=1)
     assert logits.shape == (1, VOCAB) and bool(torch.isfinite(logits).all())
+
+
+def _padded_pair(tmp_path, pad: int = 64) -> tuple[str, str, str]:
+    """A drafter with the tokenizer's 49,152 LM-head rows and targets of the same weights whose
+    head (and embedding) is padded to 49,152 + pad rows, as Qwen2.5 pads 151,936 to 152,064 from
+    7B on. The padding rows copy the rows of the tokens likeliest on average, exactly (ties go to
+    the lower id: greedy never picks one) and scaled by 1.15 (sampling picks one every ~20
+    tokens). Returns (drafter, target, hot target)."""
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # random logits are nearly flat (std ~0.16): peak them, top token ~0.5-0.8
+        model.lm_head.weight *= 50
+        contexts = torch.randint(0, VOCAB, (16, 24), generator=torch.Generator().manual_seed(1))
+        sources = torch.softmax(model(contexts).logits.float(), -1).reshape(-1, VOCAB).mean(0).topk(pad).indices
+    paths = [str(tmp_path / name) for name in ("drafter", "target", "hot")]
+    model.save_pretrained(paths[0])
+    model.resize_token_embeddings(VOCAB + pad, mean_resizing=False)
+    for path, scale in zip(paths[1:], (1.0, 1.15)):
+        with torch.no_grad():
+            model.lm_head.weight[VOCAB:] = model.lm_head.weight[sources] * scale
+            model.model.embed_tokens.weight[VOCAB:] = model.model.embed_tokens.weight[sources]
+        model.save_pretrained(path)
+    for path in paths:
+        load_tokenizer(ModelSpec()).save_pretrained(path)
+    return paths[0], paths[1], paths[2]
+
+
+def test_a_drafter_with_a_smaller_lm_head_of_the_same_tokenizer_speculates_exactly(tmp_path):
+    """Padded heads of one tokenizer (the Qwen2.5 0.5B drafter for 7B: 151,936 against 152,064
+    rows) were refused. The pair now speculates: greedy equals target-only, sampled dense
+    proposals are padded with zeros by the verifier, and once the target emits a padding id
+    (which the drafter has no row for) the generation goes on target-only."""
+    drafter, target, hot = _padded_pair(tmp_path)
+    args = ["--dtype", "float32", "--max-draft-tokens", "8", "--log-level", "WARNING"]
+    ids = list(range(1000, 1010))
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    with start_service("drafter", ["--model", drafter] + args, threads=1) as drafter_svc:
+        with start_service("verifier", ["--model", target] + args, threads=1) as verifier, \
+                SpeculativeClient(verifier.address, drafter=drafter_svc.address) as client:
+            assert client.verifier_info.vocab_size == VOCAB + 64 and client.drafter_info.vocab_size == VOCAB
+            base = client.generate(ids, greedy, target_only=True)
+            spec = client.generate(ids, greedy, num_speculative_tokens=4)
+            # a prompt with a padding id (or a stop id past the drafter) runs target-only from the start
+            padded_prompt = client.generate(ids + [VOCAB + 1], greedy, num_speculative_tokens=4)
+        with start_service("verifier", ["--model", hot] + args, threads=1) as verifier, \
+                SpeculativeClient(verifier.address, drafter=drafter_svc.address) as client:
+            runs = [client.generate(ids, SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=seed),
+                                    num_speculative_tokens=4) for seed in range(8)]
+    assert spec.token_ids == base.token_ids and spec.num_accepted_tokens > 0
+    assert padded_prompt.target_only and padded_prompt.num_draft_tokens == 0
+    hit = [r for r in runs if any(t >= VOCAB for t in r.token_ids) and r.num_speculative_rounds]
+    assert hit, "no sampled run emitted a padding id after speculating: the case is not exercised"
+    for r in hit:
+        # a round's tokens arrive together: the round of each token, from their arrival times
+        round_of = list(itertools.accumulate(int(a != b) for a, b in zip([None] + r.token_times_s, r.token_times_s)))
+        first = round_of[next(i for i, t in enumerate(r.token_ids) if t >= VOCAB)]
+        assert len(r.gamma_per_round) == round_of[-1] and any(r.gamma_per_round[:first])
+        assert r.gamma_per_round[first:] == [0] * (len(r.gamma_per_round) - first)  # no drafts after it

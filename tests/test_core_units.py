@@ -128,6 +128,21 @@ def test_malformed_proposal_bytes_are_invalid_argument():
         decode_proposal(bad, 1, 4)
     with pytest.raises(InvalidArgument, match="proposal.shape"):
         decode_proposal(good, 2, 4)
+    with pytest.raises(InvalidArgument, match=r"\[1, V\] with 1 <= V <= 3"):
+        decode_proposal(good, 1, 3)  # wider than the verifier's head
+
+
+def test_a_dense_proposal_of_a_smaller_head_gives_the_ids_past_it_probability_zero():
+    """A drafter whose LM head is padded to fewer rows (one tokenizer): its [K, V_d] proposal is
+    read as [K, V] with zeros past V_d, and its row sums (which the sampler divides by) unchanged."""
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(2, 6, generator=gen), -1)
+    builder = ProposalBuilder(ProposalFormat(kind=DENSE), 6)
+    for i in range(2):
+        builder.sample(probs[i], 0.5, int(probs[i].argmax()))
+    q = decode_proposal(builder.build(), 2, 9)
+    assert q.shape == (2, 9) and torch.equal(q[:, 6:], torch.zeros(2, 3))
+    assert torch.allclose(q[:, :6], probs) and torch.allclose(q.sum(-1), torch.ones(2))
 
 
 class _FakeCache:

@@ -163,8 +163,9 @@ def test_client_refuses_mismatched_vocabularies_and_oversized_requests(client):
     other = ModelInfo(**{**info.__dict__, "tokenizer_fingerprint": "0" * 64, "model": "other"})
     with pytest.raises(IncompatibleModels, match="different tokenizers"):
         check_compatible(other, info)
-    with pytest.raises(IncompatibleModels, match="vocab_size"):
-        check_compatible(ModelInfo(**{**info.__dict__, "vocab_size": 32000}), info)
+    with pytest.raises(IncompatibleModels, match="vocab_size .* is larger than verifier vocab_size"):
+        check_compatible(ModelInfo(**{**info.__dict__, "vocab_size": info.vocab_size + 128}), info)
+    check_compatible(ModelInfo(**{**info.__dict__, "vocab_size": info.vocab_size - 128}), info)  # a padded target head
     with pytest.raises(ValueError, match="maximum context"):
         client.generate("hello", SamplingParams(max_tokens=info.max_context))
 
