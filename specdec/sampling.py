@@ -38,13 +38,15 @@ _MASK64 = (1 << 64) - 1
 REJECTION, GREEDY, TYPICAL = "rejection", "greedy", "typical"
 ACCEPTANCE_METHODS = (REJECTION, GREEDY, TYPICAL)
 MAX_LOGPROBS = 20
+MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: a smaller positive temperature is raised to it
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling parameters with vLLM's names, defaults and meanings.
 
-    temperature 0 selects greedy decoding; top_k 0 (or -1, as vLLM) and top_p 1 disable those filters. max_tokens / stop / include_stop_str_in_output are enforced by the client;
+    temperature 0 selects greedy decoding (a positive one below 0.01 is raised to 0.01, as vLLM
+    does); top_k 0 (or -1, as vLLM) and top_p 1 disable those filters. max_tokens / stop / include_stop_str_in_output are enforced by the client;
     the others travel to both services, which apply the same processors (`process_logits`).
 
     acceptance_method: "rejection" (default; lossless speculative sampling), "greedy"
@@ -89,6 +91,10 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         if self.seed is not None and self.seed < 0:  # vLLM takes int64 seeds: kept as their uint64 bit pattern
             object.__setattr__(self, "seed", self.seed & _MASK64)
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            # As vLLM: logits / 1e-39 overflow to ±inf and the softmax to NaN, whose inverse CDF
+            # sampled id V (past the vocabulary) on both services.
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
 
     @property
     def greedy(self) -> bool:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdec.errors import InvalidArgument
-from specdec.proposals import SPARSE, ProposalFormat
+from specdec.proposals import DENSE, SPARSE, ProposalFormat
 from specdec.sampling import SamplingParams, TokenContext, logits_to_probs, process_logits
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
@@ -64,6 +64,31 @@ def test_one_params_object_per_sampling_message_and_rejections_are_never_remembe
     for _ in range(2):  # raised each time, never stored
         with pytest.raises(InvalidArgument, match="min_p"):
             sampling_from_pb(pb.SamplingParams(min_p=1.5))
+
+
+def test_a_tiny_positive_temperature_is_raised_to_vllms_floor_on_both_services(stubs):
+    """temperature 1e-39 divided the logits into ±inf and the softmax into NaN: the verifier
+    answered token id V (past the vocabulary; INTERNAL with logprobs) and the drafter failed
+    every session of the step. As vLLM, a positive temperature below 0.01 is 0.01."""
+    assert SamplingParams(temperature=1e-39).temperature == SamplingParams(temperature=0.001).temperature == 0.01
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=0.02).temperature == 0.02
+    drafter, verifier = stubs
+    tiny = pb.SamplingParams(temperature=1e-39, seed=1, logprobs=2)
+    vocab = verifier.GetModelInfo(pb.ModelInfoRequest()).vocab_size
+    prompt = [1, 2, 3, 4]
+    for stub, method in ((verifier, "Verify"), (drafter, "Draft")):
+        sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
+        try:
+            if method == "Verify":
+                out = list(stub.Verify(pb.VerifyRequest(session_id=sid, append_token_ids=prompt, sampling=tiny))
+                           .output_token_ids)
+            else:
+                out = list(stub.Draft(pb.DraftRequest(session_id=sid, append_token_ids=prompt, num_draft_tokens=3,
+                                                      sampling=tiny, proposal_format=proposal_format_to_pb(
+                                                          ProposalFormat(kind=DENSE)))).draft_token_ids)
+        finally:
+            stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+        assert out and all(0 <= t < vocab for t in out), (method, out)
 
 
 def test_prompt_length_past_the_sequence_is_invalid_argument(stubs):
