@@ -219,6 +219,41 @@ def test_a_slow_or_disconnected_batch_client_loses_only_its_own_sessions(stub, v
         a_channel.close()
 
 
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1024
+
+
+def test_a_stream_client_that_never_reads_is_no_longer_read_and_costs_the_server_bounded_memory(stub, verifier_proc):
+    """A client sends 300 messages of 2,000 entries (unknown sessions: each fails at once) and
+    reads no reply. The server used to begin every message as it arrived and keep its results
+    until their replies were sent: 1 GB more per 300 such messages, without end. Now it stops
+    reading once the stream's window of unanswered entries is full, and gRPC's flow control
+    holds the client's sends. The server serves other clients throughout and after."""
+    junk = pb.VerifyBatchRequest(requests=[pb.VerifyRequest(session_id=f"no-such-session-{i}", append_token_ids=[1])
+                                           for i in range(2000)])
+    pulled = [0]
+
+    def messages():
+        for _ in range(300):
+            pulled[0] += 1
+            yield junk
+
+    before = _rss_mb(verifier_proc.proc.pid)
+    replies = stub.VerifyStream(messages())  # never read
+    try:
+        last, give_up = -1, time.monotonic() + 30
+        while pulled[0] != last and time.monotonic() < give_up:  # until the client can send no more
+            last = pulled[0]
+            time.sleep(2.0)
+        grown = _rss_mb(verifier_proc.proc.pid) - before
+        # before: +504 MB after 238 messages read; now about 115 read (what the transport buffers)
+        assert grown < 200, f"the server grew by {grown:.0f} MB after reading {pulled[0]} messages"
+        assert _run(stub, pb.SamplingParams(temperature=0.0), "stream")  # others are served meanwhile
+    finally:
+        replies.cancel()
+
+
 @pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=11)],
                          ids=["greedy", "seeded"])
 def test_a_batching_client_generates_what_a_unary_client_does(verifier_proc, drafter_proc, params):

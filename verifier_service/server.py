@@ -20,6 +20,8 @@ from verifier_service.engine import VerifierEngine, VerifyCall, VerifyOut
 
 log = logging.getLogger(__name__)
 
+STREAM_SLACK_ENTRIES = 256  # beyond the sessions a server admits: a client's batch of stale or bad entries
+
 
 class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
     def __init__(self, engine: VerifierEngine) -> None:
@@ -40,19 +42,32 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
         thread as it arrives (checked, sessions held, queued), so a step never waits for the
         reply to an earlier one; this thread waits for each in turn (the engine serves them in
         arrival order) and builds the replies. However the stream ends (the client closes it,
-        disconnects or is cancelled), every begun message is finished: no session stays held."""
+        disconnects or is cancelled), every begun message is finished: no session stays held.
+
+        The entries begun and not yet replied to are bounded (`_stream_window`): a client that
+        stops reading its replies stops being read once the window is full (gRPC's flow control
+        then holds its sends), so it holds a bounded number of messages and only its own
+        sessions. Unbounded, its messages piled up in memory (1 GB per 300 messages of 2,000
+        entries). A healthy client never reaches the window: each of its sessions has at most one
+        round in flight."""
         owner = caller_owner(context)
-        begun: queue.SimpleQueue = queue.SimpleQueue()  # (tag, BatchInFlight) in arrival order; None: reading ended
-        lock = threading.Lock()
-        closed = False
+        begun: queue.SimpleQueue = queue.SimpleQueue()  # (tag, BatchInFlight, entries) in arrival order; None: ended
+        window = self._stream_window()
+        room = threading.Condition()
+        state = {"closed": False, "in_flight": 0}  # entries begun and not yet replied to
 
         def read() -> None:
             try:
                 for message in request_iterator:
-                    with lock:  # never begin a message after the stream has let its sessions go
-                        if closed:
+                    entries = max(len(message.requests), 1)
+                    with room:  # never begin a message after the stream has let its sessions go
+                        # a message larger than the window goes alone
+                        room.wait_for(lambda: state["closed"] or not state["in_flight"]
+                                      or state["in_flight"] + entries <= window)
+                        if state["closed"]:
                             return
-                        begun.put((message.tag, self.engine.begin_batch(_calls(message, owner))))
+                        state["in_flight"] += entries
+                        begun.put((message.tag, self.engine.begin_batch(_calls(message, owner)), entries))
             except grpc.RpcError:
                 pass  # the client went away: the stream's end finishes what was begun
             except Exception:  # noqa: BLE001 - never leave the stream waiting
@@ -63,13 +78,17 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
         threading.Thread(target=read, name="verify-stream", daemon=True).start()
         try:
             while (item := begun.get()) is not None:
-                tag, batch = item
+                tag, batch, entries = item
                 reply = _batch_response(self.engine.finish_batch(batch))
                 reply.tag = tag
-                yield reply
+                yield reply  # returns once gRPC has taken the reply: a reader that stopped blocks here
+                with room:
+                    state["in_flight"] -= entries
+                    room.notify()
         finally:
-            with lock:
-                closed = True
+            with room:
+                state["closed"] = True
+                room.notify()
             while True:  # the client is gone mid-stream: release the sessions all the same
                 try:
                     item = begun.get_nowait()
@@ -77,6 +96,11 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
                     break
                 if item is not None:
                     self.engine.finish_batch(item[1])
+
+    def _stream_window(self) -> int:
+        """Entries one VerifyStream may have begun and not yet answered: every session the server
+        admits (a session has at most one round in flight) and one more full client batch."""
+        return self.engine.info.max_sessions + STREAM_SLACK_ENTRIES
 
 
 def _calls(request: pb.VerifyBatchRequest, owner: str | None) -> list[VerifyCall | Exception]:
