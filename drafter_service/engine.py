@@ -106,8 +106,10 @@ class DrafterEngine(Drafter):
         return _Request(session, append_token_ids, num_draft_tokens, params, prompt_length,
                         ProposalBuilder(fmt, self.lm.vocab_size), fanout=fanout, pending=list(append_token_ids))
 
-    def close_session(self, session_id: str, owner: str | None = None) -> None:
-        super().close_session(session_id, owner)
+    def _session_removed(self, session_id: str) -> None:
+        # The job holds the session's KV slot (its `source`): on the fast path a slot returns to
+        # the pool only with its last reference, so an evicted or expired session's job pinned
+        # it until the next Draft's idle step, and admission failed meanwhile.
         if self.speculation is not None:
             self.speculation.drop(session_id)
 
@@ -280,8 +282,9 @@ class DrafterEngine(Drafter):
                 else:
                     branch.tokens.extend(w.tokens)
                     advancing.append((job, branch, self._propose(branch.tokens, job.key, branch.builder, row_logits)))
-            for (job, branch, _), token in zip(advancing, _read_tokens([t for _, _, t in advancing])):
-                self._advance(job, branch, token)
+            if advancing:  # (a step of probes alone reads nothing back)
+                for (job, branch, _), token in zip(advancing, _read_tokens([t for _, _, t in advancing])):
+                    self._advance(job, branch, token)
         except Exception:  # noqa: BLE001 - a failed speculation only loses its branches
             log.exception("speculation step failed; dropping its jobs")
             for w in work:

@@ -218,7 +218,7 @@ class ServingModel:
         self.sessions = SessionStore(
             self.lm.new_cache, self.lm.crop, max_sessions=max_sessions, ttl_s=config.session_ttl_s,
             evict_after_idle_s=config.evict_after_idle_s,
-            kv_budget_bytes=budget, cache_bytes=self.lm.cache_bytes,
+            kv_budget_bytes=budget, cache_bytes=self.lm.cache_bytes, on_remove=self._session_removed,
         )
         self.running = RunningSessions()
         self.scheduler = BatchScheduler(
@@ -277,6 +277,10 @@ class ServingModel:
 
     def close_session(self, session_id: str, owner: str | None = None) -> None:
         self.sessions.close(session_id, owner)
+
+    def _session_removed(self, session_id: str) -> None:
+        """A session left the store (closed, evicted or expired): whatever else holds its cache
+        lets go of it here (the drafter's speculation job)."""
 
     def check_request(
         self, truncate_to: int, append_token_ids: list[int], num_draft: int, params: SamplingParams,

@@ -65,7 +65,10 @@ class SessionStore:
         cache_bytes: Callable[[Any], int] = lambda cache: 0,
         evict_after_idle_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        on_remove: Callable[[str], None] = lambda session_id: None,
     ) -> None:
+        """on_remove(session_id): after a session is closed, evicted or expired (outside the
+        store's lock), for what else holds on to it (the drafter's speculation job)."""
         self._new_cache = new_cache
         self._crop = crop
         self.max_sessions = max_sessions
@@ -75,6 +78,7 @@ class SessionStore:
         self.evictions = 0
         self.evict_after_idle_s = evict_after_idle_s
         self._clock = clock
+        self._on_remove = on_remove
         self._sessions: dict[str, Session] = {}
         self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> why, bounded
         self._mutex = threading.Lock()
@@ -102,22 +106,32 @@ class SessionStore:
         if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
             raise ResourceExhausted(f"one session needs {need / 2**20:.0f} MiB of KV, above the whole budget "
                                     f"({self.kv_budget_bytes / 2**20:.0f} MiB); raise --kv-budget-mb")
-        with self._mutex:
-            while not self._fits(need):
-                victim = self._least_recently_used_idle()
-                if victim is None:
-                    raise ResourceExhausted(
-                        f"no room for another session ({len(self._sessions)} live, max {self.max_sessions}; KV "
-                        f"{self._used_bytes() / 2**20:.0f} MiB of {self._budget_mib()}) and every session has a "
-                        f"call in flight or had one within {self.evict_after_idle_s:g} s; retry later"
-                    )
-                del self._sessions[victim.session_id]
-                self._forget(victim.session_id, "evicted (least recently used, to admit a new session)")
-                self.evictions += 1
-                log.info("session evicted id=%s idle_s=%.1f", victim.session_id, self._clock() - victim.last_used)
-            session = Session(session_id=secrets.token_urlsafe(18), cache=cache, seed=random_seed(), owner=owner)
-            session.last_used = self._clock()
-            self._sessions[session.session_id] = session
+        evicted: list[str] = []
+        try:
+            with self._mutex:
+                return self._admit(cache, need, owner, evicted)
+        finally:
+            for sid in evicted:
+                self._on_remove(sid)
+
+    def _admit(self, cache: Any, need: int, owner: str | None, evicted: list[str]) -> Session:
+        """open() under the lock: evict idle sessions (their ids into `evicted`) until `need` fits."""
+        while not self._fits(need):
+            victim = self._least_recently_used_idle()
+            if victim is None:
+                raise ResourceExhausted(
+                    f"no room for another session ({len(self._sessions)} live, max {self.max_sessions}; KV "
+                    f"{self._used_bytes() / 2**20:.0f} MiB of {self._budget_mib()}) and every session has a "
+                    f"call in flight or had one within {self.evict_after_idle_s:g} s; retry later"
+                )
+            del self._sessions[victim.session_id]
+            self._forget(victim.session_id, "evicted (least recently used, to admit a new session)")
+            evicted.append(victim.session_id)
+            self.evictions += 1
+            log.info("session evicted id=%s idle_s=%.1f", victim.session_id, self._clock() - victim.last_used)
+        session = Session(session_id=secrets.token_urlsafe(18), cache=cache, seed=random_seed(), owner=owner)
+        session.last_used = self._clock()
+        self._sessions[session.session_id] = session
         log.debug("session open id=%s", session.session_id)
         return session
 
@@ -146,6 +160,7 @@ class SessionStore:
                 raise SessionNotFound(_unknown(session_id))
             del self._sessions[session_id]
             self._forget(session_id, "closed")
+        self._on_remove(session_id)
         log.debug("session close id=%s", session_id)
 
     def expire_idle(self) -> int:
@@ -160,6 +175,8 @@ class SessionStore:
             for sid in idle:
                 del self._sessions[sid]
                 self._forget(sid, f"expired after {self.ttl_s:g} s idle")
+        for sid in idle:
+            self._on_remove(sid)
         return len(idle)
 
     @contextlib.contextmanager

@@ -28,6 +28,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
+from specdec.errors import ResourceExhausted
+
 
 @dataclass
 class Branch:
@@ -224,8 +226,12 @@ class SpeculationCache:
         if self._free:
             return self._free.pop()
         if self._allocated < self.max_branch_slots:
-            self._allocated += 1
-            return self._new_slot()
+            try:
+                slot = self._new_slot()
+            except ResourceExhausted:  # the KV pool is full: sessions come first, the job waits
+                return None
+            self._allocated += 1  # only once it exists: a failed allocation counted, and leaked, a slot
+            return slot
         # Full: take the slots of the oldest other job that holds any (its session will miss).
         for sid, job in self._jobs.items():
             if sid not in exclude and any(b.slot is not None for b in job.branches):

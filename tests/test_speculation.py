@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from specdec.errors import ResourceExhausted
 from specdec.speculation import SpeculationCache, SpeculationJob
 
 
@@ -269,6 +270,70 @@ def test_engine_cache_is_off_without_fanout_and_closing_drops_branches(engines):
     assert not cached.speculation.pending(sid)
 
 
+def test_an_evicted_or_expired_sessions_job_lets_its_kv_slot_go():
+    """On the fast path a KV slot returns to the pool with its last reference, and a session's
+    speculation job holds its slot (`source`). Jobs of evicted and expired sessions were dropped
+    only by the next Draft's idle step: until then the pool stayed full and OpenSession failed
+    (RESOURCE_EXHAUSTED, 'all 4 KV slots of the pool are in use'). Now the store tells the
+    engine when a session leaves it, however it leaves."""
+    from drafter_service.engine import DrafterEngine
+    from specdec.models import ModelSpec
+    from specdec.sampling import SamplingParams
+    from specdec.serving import EngineConfig
+
+    engine = DrafterEngine(ModelSpec(dtype="float32", fast_path="on", max_model_len=256),
+                           EngineConfig(speculation_slots=1, max_sessions=2, max_draft_tokens=4, evict_after_idle_s=0,
+                                        session_ttl_s=600))
+    try:
+        params = SamplingParams(temperature=0)
+        for leave in ("evicted", "expired"):
+            sids = [engine.open_session() for _ in range(2)]
+            for sid in sids:
+                engine.draft(sid, 0, list(range(10, 30)), 3, params, fanout=1)
+            assert all(engine.speculation.pending(s) for s in sids)  # each job holds its session's slot
+            # the idle steps done (the newer job pre-drafted in the one branch slot): none holds a slot meanwhile
+            _wait(lambda: engine.speculation.candidates(sids[1]) is not None)
+            if leave == "expired":
+                engine.sessions.ttl_s = 0.0
+                time.sleep(0.01)
+                assert engine.sessions.expire_idle() == 2
+                engine.sessions.ttl_s = 600.0
+            opened = [engine.open_session() for _ in range(4)]  # evicts (or finds gone) both, then each other
+            assert not any(engine.speculation.pending(s) for s in sids) and len(opened) == 4
+            for sid in opened[-2:]:
+                engine.close_session(sid)
+    finally:
+        engine.shutdown()
+
+
+def _wait(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_a_failed_slot_allocation_is_not_counted():
+    """The KV pool full when the cache forks a slot: the job waits for a later step. It used
+    to count the slot anyway, and after max_branch_slots such failures the cache held none and
+    could never draft ahead again."""
+    made, full = [], [True]
+
+    def new_slot() -> FakeSlot:
+        if full[0]:
+            raise ResourceExhausted("all 4 KV slots of the pool are in use")
+        made.append(FakeSlot(f"s{len(made)}"))
+        return made[-1]
+
+    cache = SpeculationCache(2, new_slot, _copy)
+    cache.submit(_job("a", fanout=1))
+    for _ in range(3):
+        assert cache.work(limit=8) == [] and cache.slots_in_use() == 0
+    full[0] = False
+    _run_to_completion(cache)
+    assert cache.candidates("a") == [7] and cache.slots_in_use() == 1
+
+
 # ---- over gRPC ----------------------------------------------------------------------------
 
 
@@ -384,7 +449,14 @@ def test_drafter_reads_each_steps_tokens_back_once(engines, monkeypatch):
     plain, _ = engines
     reads: list[int] = []
     real = drafter_engine._read_tokens
-    monkeypatch.setattr(drafter_engine, "_read_tokens", lambda tokens: reads.append(len(tokens)) or real(tokens))
+    engine_thread = plain.scheduler._thread  # the cached engine (same module) may run an idle step meanwhile
+
+    def counted(tokens):
+        if threading.current_thread() is engine_thread:
+            reads.append(len(tokens))
+        return real(tokens)
+
+    monkeypatch.setattr(drafter_engine, "_read_tokens", counted)
     before = plain.snapshot_stats()
     sids = [plain.open_session() for _ in range(3)]
     outs = {}
