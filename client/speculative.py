@@ -626,12 +626,14 @@ class SpeculativeClient:
             fmt = ProposalFormat(kind=IDS_ONLY)  # greedy and typical acceptance never read q
         result = GenerationResult(text="", token_ids=[], prompt_token_ids=list(prompt_ids), finish_reason="length",
                                   target_only=gamma_max == 0, logprobs=[] if params.logprobs is not None else None)
+        # Everything that can refuse the request comes before the session opens: nothing to leak.
+        sampling, proposal_format = sampling_to_pb(params), proposal_format_to_pb(fmt)
+        output = OutputProcessor(self.tokenizer, params, self.verifier_info.eos_token_ids, result, t0)
         verifier = _Link()
         await self._open_verifier_session(verifier, result)
         gen = _Generation(
-            sampling=sampling_to_pb(params), proposal_format=proposal_format_to_pb(fmt),
-            prompt_length=len(prompt_ids), committed=list(prompt_ids), result=result,
-            output=OutputProcessor(self.tokenizer, params, self.verifier_info.eos_token_ids, result, t0),
+            sampling=sampling, proposal_format=proposal_format,
+            prompt_length=len(prompt_ids), committed=list(prompt_ids), result=result, output=output,
             verifier=verifier, drafter=_DrafterLink(gamma_max=gamma_max, max_draft_tokens=gamma_max, fanout=fanout),
             gamma_max=gamma_max, controller=controller, counted_on=self.costs(verifier.server.address),
             drafter_context=self.drafter_info.max_context if self.drafter_info else 0,

@@ -22,6 +22,7 @@ import dataclasses
 import math
 import numbers
 import secrets
+import struct
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -32,6 +33,7 @@ from specdec.errors import InvalidArgument
 STREAM_DRAFT = 1
 STREAM_VERIFY = 2
 _FLOAT32_MAX = 3.4028234663852886e38
+INT32_MAX = 2**31 - 1  # top_k, min_tokens and stop token ids travel as int32
 _MASK64 = (1 << 64) - 1
 
 
@@ -39,6 +41,16 @@ REJECTION, GREEDY, TYPICAL = "rejection", "greedy", "typical"
 ACCEPTANCE_METHODS = (REJECTION, GREEDY, TYPICAL)
 MAX_LOGPROBS = 20
 MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: a smaller positive temperature is raised to it
+
+
+def float32(value: float) -> float:
+    """`value` as the wire's 32-bit float carries it (1e-50 arrives as 0.0)."""
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
+def _as_sent(value: float) -> str:
+    sent = float32(value)
+    return "" if sent == value or sent != 0.0 else " (0 as the 32-bit float it travels as)"
 
 
 @dataclass(frozen=True)
@@ -127,24 +139,25 @@ class SamplingParams:
             raise InvalidArgument("stop", f"stop strings must be strings, got {self.stop!r}")
         if finite("temperature") < 0:
             raise InvalidArgument("temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < -1:
-            raise InvalidArgument("top_k", f"must be >= -1 (-1 or 0 disables top-k), got {self.top_k}")
-        if not (0.0 < finite("top_p") <= 1.0):
-            raise InvalidArgument("top_p", f"must be in (0, 1] (1 disables top-p), got {self.top_p}")
+        if not -1 <= self.top_k <= INT32_MAX:
+            raise InvalidArgument("top_k", f"must be in [-1, {INT32_MAX}] (-1 or 0 disables top-k), got {self.top_k}")
+        if not (0.0 < float32(finite("top_p")) <= 1.0):
+            raise InvalidArgument("top_p", f"must be in (0, 1] (1 disables top-p), got {self.top_p}{_as_sent(self.top_p)}")
         if not (0.0 <= finite("min_p") <= 1.0):
             raise InvalidArgument("min_p", f"must be in [0, 1] (0 disables min-p), got {self.min_p}")
         if self.seed is not None and not (-2**63 <= self.seed <= _MASK64):
             raise InvalidArgument("seed", f"must be a 64-bit integer (signed or unsigned), got {self.seed}")
         if self.max_tokens < 1:
             raise InvalidArgument("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if not 0 <= self.min_tokens <= min(self.max_tokens, INT32_MAX):
             raise InvalidArgument("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if any(not s for s in self.stop):
             raise InvalidArgument("stop", "stop strings must be non-empty")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise InvalidArgument("stop_token_ids", "token ids must be >= 0")
-        if finite("repetition_penalty") <= 0:
-            raise InvalidArgument("repetition_penalty", f"must be > 0 (1 disables it), got {self.repetition_penalty}")
+        if any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise InvalidArgument("stop_token_ids", f"token ids must be in [0, {INT32_MAX}]")
+        if float32(finite("repetition_penalty")) <= 0:
+            raise InvalidArgument("repetition_penalty", f"must be > 0 (1 disables it), got {self.repetition_penalty}"
+                                                        f"{_as_sent(self.repetition_penalty)}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= finite(name) <= 2.0:
                 raise InvalidArgument(name, f"must be in [-2, 2] (0 disables it), got {getattr(self, name)}")

@@ -371,6 +371,11 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
               "guided_json": {"extra_body": {"guided_json": {"type": "object"}}},
               "use_beam_search": {"extra_body": {"use_beam_search": True}},
               "top_k=-5": {"extra_body": {"top_k": -5}},
+              # past the wire's int32 / 0 as its float32: refused by name (a bare 'Value out of range'
+              # before, after the verifier session had opened, which then stayed open)
+              "top_k past an int32": {"extra_body": {"top_k": 2**31}},
+              "top_p of 0 as a 32-bit float": {"top_p": 1e-50},
+              "repetition_penalty of 0 as a 32-bit float": {"extra_body": {"repetition_penalty": 1e-50}},
               "continuous_usage_stats": {"stream": True, "stream_options": {"include_usage": True,
                                                                             "continuous_usage_stats": True}},
               }[case]
@@ -399,6 +404,9 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
     ("guided_json", 400, "guided_json", None),
     ("use_beam_search", 400, "use_beam_search", None),
     ("top_k=-5", 400, "top_k", None),
+    ("top_k past an int32", 400, "top_k", None),
+    ("top_p of 0 as a 32-bit float", 400, "top_p", None),
+    ("repetition_penalty of 0 as a 32-bit float", 400, "repetition_penalty", None),
     ("continuous_usage_stats", 400, "stream_options", None),
 ])
 def test_bad_request_gets_its_status_and_openai_error_body_and_the_gateway_keeps_serving(
