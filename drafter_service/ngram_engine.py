@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 from drafter_service.engine import Drafter, DraftOut
 from specdec.batching import WorkItem
@@ -21,7 +22,7 @@ from specdec.models import ModelSpec, TokenOnlyLM
 from specdec.ngram import ngram_propose
 from specdec.proposals import IDS_ONLY, Proposal, ProposalFormat
 from specdec.sampling import SamplingParams
-from specdec.serving import EngineConfig
+from specdec.serving import EngineConfig, EngineLoad
 from specdec.sessions import Session
 
 log = logging.getLogger(__name__)
@@ -53,11 +54,27 @@ class NgramDrafterEngine(Drafter):
         return _Request(session, append_token_ids, num_draft_tokens)
 
     def _run_batch(self, items: list[WorkItem]) -> None:
+        """Every request's lookup, then the replies, with the load of the step: the client's
+        load model counts only drafters that report one (EngineLoad.step_rows > 0), and without
+        it γ ignored how many sessions share the verifier. A lookup drafts all γ ids at once: its
+        time is reported per draft, as a model drafter reports one step per draft."""
+        start = time.perf_counter()
+        outs: list[DraftOut | Exception] = []
         for item in items:
             try:
-                item.future.set_result(self._draft_one(item.payload))
+                outs.append(self._draft_one(item.payload))
             except Exception as exc:  # noqa: BLE001 - this request alone fails
-                item.future.set_exception(exc)
+                outs.append(exc)
+        step_ms = (time.perf_counter() - start) * 1e3
+        drafts = max((len(o.draft_token_ids) for o in outs if isinstance(o, DraftOut)), default=0)
+        per_draft_ms = step_ms / max(drafts, 1)
+        load = EngineLoad(running_sessions=self.note_running([it.payload.session.session_id for it in items]),
+                          step_rows=len(items), step_tokens=len(items), step_ms=per_draft_ms, device_ms=per_draft_ms)
+        for item, out in zip(items, outs):
+            if isinstance(out, Exception):
+                item.future.set_exception(out)
+            else:
+                item.future.set_result(dataclasses.replace(out, load=load))
 
     def _draft_one(self, r: _Request) -> DraftOut:
         session = r.session

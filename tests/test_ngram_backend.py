@@ -177,6 +177,22 @@ def test_greedy_output_equals_target_only_and_copies_get_accepted(ngram_client, 
     assert spec.num_rounds < len(spec.token_ids)
 
 
+def test_the_lookup_reports_its_step_so_the_load_model_counts_the_drafter(drafter_stub, ngram_client, verifier_proc):
+    """Each Draft answers with the load of its step (rows, milliseconds per draft), as the model
+    drafter does: with none, the client's load model never had a draft-cost sample and γ ignored
+    how many sessions share the verifier."""
+    sid = drafter_stub.OpenSession(pb.OpenSessionRequest()).session_id
+    try:
+        r = drafter_stub.Draft(pb.DraftRequest(session_id=sid, append_token_ids=[7, 8, 9, 7], num_draft_tokens=3,
+                                               sampling=pb.SamplingParams(temperature=0.0)))
+    finally:
+        drafter_stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+    assert r.load.step_rows >= 1 and r.load.running_sessions >= 1 and 0 < r.load.step_ms < 50
+    ngram_client.generate("Repeat exactly: one two three four five six seven eight nine ten, one two three four "
+                          "five six seven eight nine ten.", SamplingParams(temperature=0.0, max_tokens=24), chat=True)
+    assert ngram_client.costs(verifier_proc.address).draft.weight > 0
+
+
 def test_seeded_sampling_is_reproducible(ngram_client):
     params = SamplingParams(temperature=0.8, seed=11, max_tokens=24, ignore_eos=True)
     prompt = "Repeat exactly: one, two, three, four, five, six, seven."
