@@ -96,6 +96,11 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    # this server's: SamplingParams' acceptance rule per request (vLLM sets it per server, with
+    # --spec-decoding-acceptance-method); "typical" is not lossless
+    acceptance_method: str | None = None
+    posterior_threshold: float | None = None
+    posterior_alpha: float | None = None
 
     def refuse_unsupported(self) -> None:
         extra = dict(self.model_extra or {})
@@ -277,6 +282,9 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_token
         "stop_token_ids": req.stop_token_ids,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "logprobs": logprobs,
+        "acceptance_method": req.acceptance_method,
+        "posterior_threshold": req.posterior_threshold,
+        "posterior_alpha": req.posterior_alpha,
     }
     fields = {"max_tokens": max_field, "logprobs": logprobs_field}
     try:

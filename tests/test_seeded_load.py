@@ -90,18 +90,24 @@ def test_seeded_gateway_request_is_identical_alone_and_beside_seven_others(seede
                        timeout=300) as oai:
         model = oai.models.list().data[0].id
 
-        def complete(prompt: str, **kwargs) -> str:
+        def complete(prompt: str, extra_body: dict | None = None, **kwargs) -> str:
             return oai.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
-                                          extra_body={"ignore_eos": True}, **kwargs).choices[0].text
+                                          extra_body=extra_body or {"ignore_eos": True}, **kwargs).choices[0].text
 
-        def mine() -> str:
-            return complete(PROMPT, temperature=0.8, top_p=0.9, seed=7)
+        for mode in ("rejection", "typical"):  # typical: SamplingParams' fields by name, as extras
+            extra = {k: v for k, v in MODES[mode].items() if k not in ("temperature", "seed")}
 
-        alone = mine()
-        assert alone
-        under_load, _ = _beside_load(mine, lambda p: complete(p, temperature=1.0))
-        assert under_load == alone
-        assert complete(PROMPT, temperature=0.8, top_p=0.9, seed=8) != alone
+            def mine(seed: int = 7) -> str:
+                return complete(PROMPT, temperature=0.8, seed=seed, **{"top_p": extra.get("top_p", 1.0)},
+                                extra_body={"ignore_eos": True, **{k: v for k, v in extra.items() if k != "top_p"}})
+
+            alone = mine()
+            assert alone
+            under_load, _ = _beside_load(mine, lambda p: complete(p, temperature=1.0))
+            assert under_load == alone, mode
+            assert mine(seed=8) != alone
+        with pytest.raises(openai.BadRequestError, match="acceptance_method"):
+            complete(PROMPT, temperature=0.8, extra_body={"acceptance_method": "medusa"})
 
 
 @pytest.mark.parametrize("gamma", ["auto", 4])
