@@ -378,8 +378,9 @@ class SpeculativeClient:
     def _past_drafter_vocab(self, ids: Sequence[int]) -> bool:
         """Whether any id is past the drafter's LM head (which may be smaller than the verifier's)."""
         info = self.drafter_info
-        return info is not None and info.vocab_size < self.verifier_info.vocab_size and max(ids, default=-1) >= \
-            info.vocab_size
+        if info is None or info.vocab_size >= self.verifier_info.vocab_size:
+            return False
+        return max(ids, default=-1) >= info.vocab_size
 
     def _check_vocab(self, ids: Sequence[int], what: str) -> None:
         vocab = self.verifier_info.vocab_size
