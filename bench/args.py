@@ -225,7 +225,12 @@ def _serve(args: argparse.Namespace) -> int:
         baseline = serve.load_result(args.baseline_json)
         if baseline.get("mode") != "target-only":
             raise ValueError(f"--baseline-json {args.baseline_json} is not a --target-only result")
-    result = serve.run_serve(_workload(args, args.target_only), baseline=baseline)
+    config = _workload(args, args.target_only)
+    if baseline is not None:  # before the run: what the arguments already say
+        _check_baseline(baseline, serve.workload_keys(config))
+    result = serve.run_serve(config, baseline=baseline)
+    if baseline is not None:  # the prompts the dataset gave (it may hold fewer than asked)
+        _check_baseline(baseline, result, ("num_prompts",))
     print(serve.format_result(result))
     if args.result_json:
         serve.write_json(result, args.result_json)
@@ -233,13 +238,14 @@ def _serve(args: argparse.Namespace) -> int:
         from bench.plot import plot_serve
 
         plot_serve(result, args.plot)
-    if baseline is not None:
-        differs = [k for k in ("dataset", "num_prompts", "sampling", "request_rate", "max_concurrency", "seed", "chat")
-                   if baseline.get(k) != result.get(k)]
-        if differs:
-            raise ValueError(f"--baseline-json ran a different workload ({', '.join(differs)} differ); "
-                             "its speedup and efficiency would be meaningless")
     return 0 if result["completed"] else 1
+
+
+def _check_baseline(baseline: dict, run: dict, keys=None) -> None:
+    differs = [k for k in (keys or run) if baseline.get(k) != run.get(k)]
+    if differs:
+        raise ValueError(f"--baseline-json ran a different workload ({', '.join(differs)} differ); "
+                         "its speedup and efficiency would be meaningless")
 
 
 def _serve_openai(args: argparse.Namespace) -> int:

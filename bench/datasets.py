@@ -7,8 +7,8 @@ of Spec-Bench's six categories plus code. One JSON object per line:
 as one chat with all those messages).
 
 A ShareGPT file is a JSON list of `{"conversations": [{"from": "human", "value": ...},
-{"from": "gpt", "value": ...}, ...]}`; each entry contributes its first human turn,
-labelled with the category "sharegpt".
+{"from": "gpt", "value": ...}, ...]}`; each entry contributes its first human turn ("from":
+"human", or "user" as some exports write it), labelled with the category "sharegpt".
 
 A `.jsonl` file is vLLM's custom dataset: one `{"prompt": ...}` object per line (an
 optional "category" labels it, else "custom"; other keys are ignored).
@@ -25,6 +25,7 @@ from typing import Sequence
 SHIPPED = "specbench"
 SHIPPED_PATH = Path(__file__).resolve().parent / "data" / "prompts.jsonl"
 SHAREGPT = "sharegpt"
+_USER_ROLES = ("human", "user")  # ShareGPT exports write either
 CUSTOM = "custom"
 
 CATEGORIES = {
@@ -85,7 +86,7 @@ def load_sharegpt(path: str | Path) -> list[BenchPrompt]:
     prompts = []
     for i, entry in enumerate(data):
         turns = (entry.get("conversations") or []) if isinstance(entry, dict) else []
-        first = next((t.get("value", "") for t in turns if isinstance(t, dict) and t.get("from") == "human"), "")
+        first = next((t.get("value", "") for t in turns if isinstance(t, dict) and t.get("from") in _USER_ROLES), "")
         if isinstance(first, str) and first.strip():
             prompts.append(BenchPrompt(id=str(entry.get("id", i)), category=SHAREGPT, messages=(first,)))
     if not prompts:

@@ -167,6 +167,9 @@ class OpenAIServer:
             rec.output_tokens = chunks
         if spec:  # our gateway's counters
             rec.rounds = int(spec.get("num_rounds", 0))
+            # None: a server that does not say (the share is then unknown, not 0)
+            rec.speculative_rounds = (int(spec["num_speculative_rounds"]) if "num_speculative_rounds" in spec
+                                      else None)
             rec.draft_tokens = int(spec.get("num_draft_tokens", 0))
             rec.accepted_tokens = int(spec.get("num_accepted_tokens", 0))
             rec.draft_time = float(spec.get("draft_time_s", 0.0))

@@ -22,8 +22,9 @@ def _accepted_histogram(ax, counts: Sequence[int], gamma: int | str) -> None:
         top = max(gamma if fixed else 0, max(counts))
         ax.hist(counts, bins=[b - 0.5 for b in range(top + 2)], rwidth=0.85, color="tab:blue")
         ax.set_xticks(range(top + 1))
-    else:
-        ax.text(0.5, 0.5, "no speculative rounds", ha="center", va="center", transform=ax.transAxes)
+    else:  # (the openai backend gets totals from our gateway, not each round)
+        ax.text(0.5, 0.5, "no speculative rounds, or no per-round counts from this server", ha="center",
+                va="center", transform=ax.transAxes)
     ax.set_xlabel(f"accepted drafts per round (rounds that drafted {gamma if fixed else 'any'})")
     ax.set_ylabel("rounds")
     ax.set_title(f"Accepted tokens per round (gamma={gamma})")

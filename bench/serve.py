@@ -132,7 +132,7 @@ class RequestRecord:
     e2el: float | None = None
     itl: list[float] = field(default_factory=list)  # one gap per chunk (round) after the first
     rounds: int = 0
-    speculative_rounds: int = 0  # rounds that verified at least one draft
+    speculative_rounds: int | None = 0  # rounds that verified at least one draft; None: the server did not say
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_round: list[int] = field(default_factory=list)
@@ -444,7 +444,8 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float,
         "mean_drafts_per_round": _ratio(drafts, rounds) if drafts else None,
         # The adaptive controller at work: the share of rounds that drafted at all (the rest
         # were target-only rounds: the first token, a drafter catching up, γ = 0 under load).
-        "speculative_round_share": _ratio(sum(r.speculative_rounds for r in ok), rounds),
+        "speculative_round_share": (None if any(r.speculative_rounds is None for r in ok)
+                                    else _ratio(sum(r.speculative_rounds for r in ok), rounds)),
         # Drafts the drafter had ready from its speculation cache (fanout > 0), of all drafts.
         "speculation_cache_hit_rate": _ratio(sum(r.cached_draft_tokens for r in ok), drafts),
         "goodput": None,
@@ -570,6 +571,20 @@ def warm_up(client: SpeculativeClient, config: WorkloadConfig) -> dict:
     return {"requests": n, "failed": sum(not r.ok for r in records), "seconds": time.perf_counter() - t0}
 
 
+def workload_keys(config: WorkloadConfig) -> dict:
+    """The result's fields that say which workload ran, as the arguments give them: a run
+    compared with a --baseline-json must match its baseline on these (and on num_prompts)."""
+    return {
+        "dataset": config.dataset,
+        "chat": config.chat,
+        "request_rate": _json_rate(config.request_rate),
+        "max_concurrency": config.max_concurrency,
+        "seed": config.seed,
+        "sampling": {k: v for k, v in dataclasses.asdict(config.params).items()
+                     if k in ("temperature", "top_k", "top_p", "min_p", "max_tokens", "ignore_eos")},
+    }
+
+
 def assemble_result(config: WorkloadConfig, records: Sequence[RequestRecord], duration: float, *, backend: str,
                     gamma: int | str | None, server_stats: dict, verifier_model: str | None,
                     drafter_model: str | None, mode: str | None = None, base_url: str | None = None,
@@ -585,16 +600,10 @@ def assemble_result(config: WorkloadConfig, records: Sequence[RequestRecord], du
         "endpoint": endpoint,
         "verifier_model": verifier_model,
         "drafter_model": drafter_model,
-        "dataset": config.dataset,
-        "chat": config.chat,
+        **workload_keys(config),
         "num_speculative_tokens": gamma,
         "fanout": 0 if config.target_only else config.fanout,
-        "request_rate": _json_rate(config.request_rate),
         "burstiness": config.burstiness,
-        "max_concurrency": config.max_concurrency,
-        "seed": config.seed,
-        "sampling": {k: v for k, v in dataclasses.asdict(config.params).items()
-                     if k in ("temperature", "top_k", "top_p", "min_p", "max_tokens", "ignore_eos")},
         "duration_limit_s": config.duration_limit_s,
         "goodput_slos_ms": dict(config.goodput_slos_ms) or None,
     }

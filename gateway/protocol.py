@@ -318,7 +318,8 @@ def speculative(*results: GenerationResult) -> dict:
     """The speculative counters of one generation, or summed over a request's choices (an
     extra field; `usage` stays OpenAI's)."""
     drafts, accepted = sum(r.num_draft_tokens for r in results), sum(r.num_accepted_tokens for r in results)
-    return {"num_rounds": sum(r.num_rounds for r in results), "num_draft_tokens": drafts,
+    return {"num_rounds": sum(r.num_rounds for r in results),
+            "num_speculative_rounds": sum(r.num_speculative_rounds for r in results), "num_draft_tokens": drafts,
             "num_accepted_tokens": accepted, "acceptance_rate": accepted / drafts if drafts else 0.0,
             "draft_time_s": sum(r.draft_time_s for r in results),
             "verify_time_s": sum(r.verify_time_s for r in results)}

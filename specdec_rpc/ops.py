@@ -447,6 +447,8 @@ _COUNTERS = {
     "speculation_draft_tokens": ("specdec_speculation_draft_tokens", "tokens drafted ahead in branches"),
     "speculation_dropped_branches": ("specdec_speculation_dropped_branches", "branches with drafts never used"),
 }
+# The verifier decides acceptance; a drafter never learns it, and would export a constant 0.
+_VERIFIER_ONLY = ("accepted_tokens", "emitted_tokens")
 _GAUGES = {
     "live_sessions": ("specdec_live_sessions", "open sessions"),
     "kv_tokens": ("specdec_kv_tokens", "tokens held in KV caches"),
@@ -474,7 +476,7 @@ class EngineCollector:
         stats = self.engine.snapshot_stats()
         role = self.engine.role
         for key, value in stats.items():
-            if not isinstance(value, (int, float)):
+            if not isinstance(value, (int, float)) or (role == "drafter" and key in _VERIFIER_ONLY):
                 continue
             if key in _COUNTERS:
                 name, doc = _COUNTERS[key]
@@ -504,6 +506,8 @@ class EngineCollector:
                     buckets.append(("+Inf" if le is None else str(le / 1e3), total))
                 hist.add_metric([role], buckets, sum_value=phases.sums_ms[phase] / 1e3)
                 yield hist
+        if role == "drafter":
+            return
         rate = GaugeMetricFamily("specdec_acceptance_rate", "accepted / proposed draft tokens since start",
                                  labels=["role"])
         drafted = stats.get("draft_tokens", 0)

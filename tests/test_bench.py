@@ -78,6 +78,13 @@ def test_target_only_never_calls_the_drafter_but_speculative_does(drafter_proc, 
     assert "drafter" not in base["server_stats"] and base["server_stats"]["verifier"]["delta"]["requests"] > 0
     assert spec["server_stats"]["drafter"]["delta"]["draft_tokens"] == spec["total_draft_tokens"] > 0
     assert spec["system_efficiency"] is not None  # the baseline makes it computable
+    # A baseline of another workload is refused before the run: nothing sent, nothing written
+    # (it was refused after the run, its meaningless speedup printed and written first).
+    other = [a if a != "6" else "7" for a in common]  # --max-tokens 7
+    assert _bench("serve", *other, "--baseline-json", str(tmp_path / "base.json"), "--num-speculative-tokens", "4",
+                  "--result-json", str(tmp_path / "other.json")) == 2
+    assert server_stats(drafter_proc.address, "drafter")["requests"] == after_speculative["requests"]
+    assert not (tmp_path / "other.json").exists()
 
 
 def test_poisson_inter_arrivals_match_the_requested_rate():
@@ -108,11 +115,13 @@ def test_sharegpt_file_loads_the_first_human_turn(tmp_path):
                                       {"from": "human", "value": "second turn"}]},
         {"id": "b", "conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "Why?"}]},
         {"id": "c", "conversations": [{"from": "gpt", "value": "no human turn"}]},
+        {"id": "d", "conversations": [{"from": "user", "value": "As some exports write it"},
+                                      {"from": "assistant", "value": "ok"}]},
     ]
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(data))
     prompts = load_dataset(str(path))
-    assert [p.messages for p in prompts] == [("Hello there?",), ("Why?",)]
+    assert [p.messages for p in prompts] == [("Hello there?",), ("Why?",), ("As some exports write it",)]
     assert {p.category for p in prompts} == {SHAREGPT}
 
 

@@ -623,6 +623,7 @@ def test_metrics_count_requests_tokens_and_drafts(oai, model, base_url):
     spec = reply.model_extra["speculative"]
     assert delta("specdec_gateway_draft_tokens_total") == spec["num_draft_tokens"] > 0
     assert delta("specdec_gateway_accepted_tokens_total") == spec["num_accepted_tokens"]
+    assert 0 < spec["num_speculative_rounds"] < spec["num_rounds"]  # the first round never drafts
 
 
 # ---- the load harness through HTTP -------------------------------------------------------------
@@ -653,6 +654,11 @@ def test_bench_serve_openai_backend_writes_the_same_json_keys_as_grpc(bench_resu
     assert http_res["total_output_tokens"] == grpc_res["total_output_tokens"] > 0
     # (acceptance may be None: with adaptive γ six tokens can pass before a first draft)
     assert http_res["median_ttft_ms"] > 0 and "acceptance_rate" in http_res
+    # the gateway's counters carry the rounds that drafted: the same share as through gRPC's
+    # counting (it read 0.0 through HTTP whatever the gateway did)
+    spec_rounds = [r["speculative_rounds"] for r in http_res["per_request"]]
+    assert http_res["speculative_round_share"] == pytest.approx(sum(spec_rounds) / http_res["total_rounds"])
+    assert all(0 <= n <= r["rounds"] for n, r in zip(spec_rounds, http_res["per_request"]))
 
 
 @pytest.mark.slow
