@@ -336,7 +336,7 @@ def _add_gateway_parser(sub) -> None:
                          "wait for a slot")
     gw.add_argument("--timeout-s", type=positive("--timeout-s", float), default=60.0,
                     help="deadline of every upstream call")
-    gw.add_argument("--recovery-timeout-s", type=positive("--recovery-timeout-s", float, zero=True), default=10.0,
+    gw.add_argument("--recovery-timeout-s", type=positive("--recovery-timeout-s", float), default=10.0,
                     help="how long a request waits for a lost verifier to come back, or for the first "
                          "connection while the gateway is still connecting, before it fails with 503")
     _add_client_security_args(gw)

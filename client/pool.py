@@ -99,18 +99,23 @@ class ServerPool(Generic[StubT]):
     def __len__(self) -> int:
         return len(self.servers)
 
-    def pick(self, exclude: Collection[Server[StubT]] = ()) -> Server[StubT] | None:
+    def pick(self, exclude: Collection[Server[StubT]] = (), retry_down: bool = True) -> Server[StubT] | None:
         """The server for a new session, its slot taken (give it back with `release`): of
-        the enabled servers not in `exclude` that are up or due for a retry, the one with the
-        fewest live sessions. None if there is none. A down server that is picked is claimed
-        for one retry, so concurrent generations do not all probe it at once. A server that
-        holds as many of this client's sessions as it admits is not picked: past that it would
-        evict this client's idle sessions, each to be re-prefilled (see `wait_for_room`)."""
+        the enabled servers not in `exclude` that are up, the one with the fewest live
+        sessions; only if none is up (and `retry_down`), one that is down and due for a retry.
+        None if there is none. A down server that is picked is claimed for one retry, so
+        concurrent generations do not all probe it at once; while another server is up, a down
+        one is retried off the generations' path (`claim_due`): a hung one made every retry
+        wait its whole deadline. A server that holds as many of this client's sessions as it
+        admits is not picked: past that it would evict this client's idle sessions, each to be
+        re-prefilled (see `wait_for_room`)."""
         with self._lock:
             now = self._clock()
             ready = [s for s in self.servers
                      if s.disabled is None and s not in exclude and (not s.down or now >= s.retry_at)
                      and not _full(s)]
+            up = [s for s in ready if not s.down]
+            ready = up or (ready if retry_down else [])
             if not ready:
                 return None
             server = min(ready, key=lambda s: (s.sessions, s.opened, s.index))
@@ -119,6 +124,18 @@ class ServerPool(Generic[StubT]):
             server.sessions += 1
             server.opened += 1
             return server
+
+    def claim_due(self, always: bool = False) -> list[Server[StubT]]:
+        """Down servers due for a retry, each claimed for one probe off the generations' path
+        (report it with `succeeded` or `failed`): while another server is up, or `always`."""
+        with self._lock:
+            if not always and not any(s.disabled is None and not s.down for s in self.servers):
+                return []
+            now = self._clock()
+            due = [s for s in self.servers if s.disabled is None and s.down and not s.probing and now >= s.retry_at]
+            for s in due:
+                s.retry_at, s.probing = now + s.backoff_s, True
+            return due
 
     def release(self, server: Server[StubT]) -> None:
         """A session picked on `server` ended (closed, lost, or never opened)."""

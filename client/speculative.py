@@ -67,6 +67,10 @@ _END = object()  # a generation's last item on its way to the caller
 _CLOSE_WAIT_S = 10.0  # how long a caller that stops reading waits for the generation's sessions to close
 
 
+class NoServerAvailable(ConnectionError):
+    """Every server of a pool failed its last try and none is due for another within the wait."""
+
+
 class IncompatibleModels(ValueError):
     """The drafter and verifier (or the client's tokenizer) do not share a vocabulary."""
 
@@ -722,8 +726,8 @@ class SpeculativeClient:
         the drafts stay valid, since they were proposed for `committed`, which is unchanged."""
         verifier, committed, result = gen.verifier, gen.committed, gen.result
         ts = time.perf_counter()
-        give_up = time.monotonic() + self.recovery_timeout_s
-        while True:
+        give_up = None  # recovery_timeout_s counts from the first failure, not from the call: a hung
+        while True:     # verifier takes all of timeout_s to fail, which used to leave no budget at all
             keep = _lcp(verifier.kv, committed, len(committed) - 1)
             request = pb.VerifyRequest(session_id=verifier.session_id, truncate_to=keep,
                                        append_token_ids=committed[keep:], draft_token_ids=drafts,
@@ -734,6 +738,7 @@ class SpeculativeClient:
                 response = await self._verify(verifier.server, request, self.timeout_s)
                 break
             except grpc.RpcError as exc:
+                give_up = give_up or time.monotonic() + self.recovery_timeout_s
                 if exc.code() not in _VERIFIER_LOST or time.monotonic() > give_up:
                     raise
                 log.warning("verifier %s lost session=%s code=%s details=%r; re-opening it on the pool for "
@@ -909,7 +914,8 @@ class SpeculativeClient:
                     f"{s.address}: {s.disabled}" for s in self.verifiers.servers))
             if time.monotonic() + wait > deadline:
                 if error is None:
-                    raise RuntimeError(f"no verifier could be tried within {self.recovery_timeout_s:g} s")
+                    raise NoServerAvailable(f"no verifier could be tried within {self.recovery_timeout_s:g} s (each "
+                                            "was down at its last try and is not due for another yet)")
                 raise error
             # In slices: a session another generation re-opens meanwhile clears the backoff.
             await asyncio.sleep(min(max(wait, 0.01), _POLL_S))
@@ -928,7 +934,12 @@ class SpeculativeClient:
         short = min(self.timeout_s, 5.0)
         tried: list[Server] = []
         errors: list[grpc.RpcError] = []
-        while (server := pool.pick(exclude=tried)) is not None:
+        # Drafts are optional: a drafter that is down is only ever retried in the background, the
+        # rounds going on target-only meanwhile; a verifier in the path only when none is up.
+        drafts = pool is self.drafters
+        for server in pool.claim_due(always=drafts):
+            self._held(self._reprobe(pool, server, check))
+        while (server := pool.pick(exclude=tried, retry_down=not drafts)) is not None:
             tried.append(server)
             info = server.info
             try:
@@ -980,6 +991,23 @@ class SpeculativeClient:
             break
         return errors
 
+    async def _reprobe(self, pool: ServerPool, server: Server, check) -> None:
+        """A down server's retry, off every generation's path: its model, checked."""
+        try:
+            info = model_info_from_pb(await server.astub.GetModelInfo(pb.ModelInfoRequest(),
+                                                                      timeout=min(self.timeout_s, 5.0)))
+            check(info)
+        except IncompatibleModels as exc:
+            pool.disable(server, str(exc))
+            log.error("%s %s no longer fits the pool (%s); it is left out from here", pool.role, server.address, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - still down: tried again after its backoff
+            pool.failed(server)
+            log.debug("%s %s still not answering: %r", pool.role, server.address, exc)
+            return
+        pool.succeeded(server, info)
+        log.info("%s %s answers again", pool.role, server.address)
+
     def _check_verifier(self, info: ModelInfo) -> None:
         """A verifier joining the pool later (or coming back) must serve the same target
         within the limits the client already uses."""
@@ -1008,10 +1036,11 @@ class SpeculativeClient:
         pool.release(server)
         pool.failed(server, immediate=code == grpc.StatusCode.NOT_FOUND)
         link.server, link.info, link.session_id, link.kv, link.lost_from = None, None, None, [], server
-        if close:
-            await self._close_quietly(server.astub, session_id)
-        elif code in _MAY_STILL_EXIST:  # off the round's path: the rounds go on without this server
-            self._held(self._close_quietly(server.astub, session_id))
+        if close or code in _MAY_STILL_EXIST:
+            # Off the round's path: the rounds go on elsewhere. A hung server's close waited its
+            # whole deadline there (+5 s to every failover); it is retried while the server does
+            # not answer, since one that resumes still holds the session (its KV until the TTL).
+            self._held(self._close_quietly(server.astub, session_id, retries=2))
 
     async def _end_verifier(self, link: "_Link") -> None:
         """Close the session and wait for it. A generation cancelled meanwhile (a caller that
@@ -1041,23 +1070,33 @@ class SpeculativeClient:
             return
         await self._close_quietly(server.astub, opened.session_id)
 
-    async def _close_quietly(self, stub, session_id: str) -> None:
-        try:
-            await stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=min(self.timeout_s, 5.0))
-        except grpc.RpcError as exc:  # the session expires on the server anyway
-            # After a restart or an eviction the session is simply gone: nothing to report.
-            expected = exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
-            log.log(logging.DEBUG if expected else logging.WARNING, "CloseSession %s failed: %s", session_id,
-                    exc.code())
+    async def _close_quietly(self, stub, session_id: str, retries: int = 0) -> None:
+        """CloseSession, retried `retries` times (5 s, then 10 s apart) while it runs past its deadline."""
+        for attempt in range(retries + 1):
+            try:
+                await stub.CloseSession(pb.CloseSessionRequest(session_id=session_id),
+                                        timeout=min(self.timeout_s, 5.0))
+                return
+            except grpc.RpcError as exc:  # the session expires on the server anyway
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and attempt < retries and not self._closed:
+                    await asyncio.sleep(5.0 * (attempt + 1))
+                    continue
+                # After a restart or an eviction the session is simply gone: nothing to report.
+                expected = exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
+                log.log(logging.DEBUG if expected else logging.WARNING, "CloseSession %s failed: %s", session_id,
+                        exc.code())
+                return
 
 
 # Status codes after which a side's session is gone or its server unreachable. Anything
 # else (INVALID_ARGUMENT, ...) is a wrong request and propagates. The drafter also falls
-# back when it is full (RESOURCE_EXHAUSTED) or fails on its own (INTERNAL, UNKNOWN: a model
-# it cannot serve): drafts are optional, the verifier is not, and the output is the same.
+# back when it is full (RESOURCE_EXHAUSTED), fails on its own (INTERNAL, UNKNOWN: a model
+# it cannot serve) or refuses this client's credentials (UNAUTHENTICATED, PERMISSION_DENIED):
+# drafts are optional, the verifier is not, and the output is the same.
 _DRAFTER_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND,
                            grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL,
-                           grpc.StatusCode.UNKNOWN})
+                           grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAUTHENTICATED,
+                           grpc.StatusCode.PERMISSION_DENIED})
 _VERIFIER_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                             grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED})
 # A lost session that the server may still hold (it answered with its own failure, or the

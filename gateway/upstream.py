@@ -118,6 +118,8 @@ def upstream_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc), type="service_unavailable", code="upstream_unavailable")
     if isinstance(exc, TimeoutError):  # queued for a verifier session past timeout_s
         return APIError(503, str(exc), type="service_unavailable", code="upstream_full")
+    if isinstance(exc, ConnectionError):  # NoServerAvailable: every verifier down, none due for a retry
+        return APIError(503, str(exc), type="service_unavailable", code="upstream_unavailable")
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))
     return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error")
@@ -251,22 +253,20 @@ class Upstream:
             return False, {"status": "connecting", "error": self.last_error}
         client = self.client
 
-        def probe(pool) -> dict[str, str]:
-            calls = [(s.address, s.stub.GetModelInfo.future(pb.ModelInfoRequest(), timeout=HEALTH_TIMEOUT_S))
-                     for s in pool.servers]
-            out = {}
-            for address, call in calls:
-                try:
-                    call.result()
-                    out[address] = "up"
-                except grpc.RpcError as exc:
-                    out[address] = exc.code().name
-            return out
-
         def probe_all() -> dict:
-            detail = {"verifiers": probe(client.verifiers)}
-            if client.drafters is not None:
-                detail["drafters"] = probe(client.drafters)
+            # every server at once: a hung verifier and a hung drafter cost one timeout, not two
+            pools = {"verifiers": client.verifiers, **({"drafters": client.drafters} if client.drafters else {})}
+            calls = {name: [(s.address, s.stub.GetModelInfo.future(pb.ModelInfoRequest(), timeout=HEALTH_TIMEOUT_S))
+                            for s in pool.servers] for name, pool in pools.items()}
+            detail: dict = {}
+            for name, pending in calls.items():
+                detail[name] = {}
+                for address, call in pending:
+                    try:
+                        call.result()
+                        detail[name][address] = "up"
+                    except grpc.RpcError as exc:
+                        detail[name][address] = exc.code().name
             return detail
 
         detail = await anyio.to_thread.run_sync(probe_all)

@@ -40,8 +40,13 @@ _OPEN_PREFIXES = (HEALTH_PREFIX,)
 # deadline. Reconnect backoff stays short (0.2-2 s instead of gRPC's 1-120 s) so a
 # restarted drafter / verifier is picked up within about a second.
 CLIENT_OPTIONS = [
-    ("grpc.keepalive_time_ms", 20_000),
+    # A server that stops answering (a wedged or stopped process: the port still accepts) fails
+    # its calls UNAVAILABLE ("ping timeout") ~20 s after it stopped, and the client fails over,
+    # where a call waited out its whole deadline (60 s by default). The ping's own timeout is
+    # grpc.http2.ping_timeout_ms (1 min by default: keepalive_timeout_ms alone does not shorten it).
+    ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.ping_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.initial_reconnect_backoff_ms", 200),

@@ -15,7 +15,7 @@ import grpc
 import pytest
 import torch
 
-from client.speculative import ClientClosed, IncompatibleModels, SpeculativeClient, check_compatible
+from client.speculative import ClientClosed, IncompatibleModels, NoServerAvailable, SpeculativeClient, check_compatible
 from gateway.upstream import upstream_error
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.serving import ModelInfo
@@ -309,6 +309,9 @@ def test_closing_a_client_closes_the_sessions_of_a_stream_left_unfinished(drafte
         for _ in resumed:  # chunks made before close(), then the error
             pass
     assert upstream_error(ClientClosed("closing")).status == 503
+    # every verifier down and none due for a retry within the wait: 503, not a bare 500
+    unavailable = upstream_error(NoServerAvailable("no verifier could be tried within 1 s"))
+    assert (unavailable.status, unavailable.code) == (503, "upstream_unavailable")
     with pytest.raises(ClientClosed, match="closed"):
         next(client.stream(PROMPTS[0]))
 

@@ -223,7 +223,8 @@ def test_a_folder_of_tokenizer_files_alone_is_a_tokenizer(tmp_path):
 @pytest.mark.parametrize("case", ["max-sessions 0", "kv-budget 0", "not a certificate", "missing token file",
                                   "cuda without CUDA", "bench against no verifier", "a result file that is a list",
                                   "result file in no directory", "negative grace", "negative warm-up",
-                                  "dataset that is a directory", "openai bench against no server"])
+                                  "dataset that is a directory", "openai bench against no server",
+                                  "recovery timeout 0"])
 def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path):
     """Flags that cannot serve, files that are not what their flag needs, a device torch cannot
     use, a service that is not there: each is refused by name, before any model loads."""
@@ -249,6 +250,9 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path):
         "result file in no directory": (["bench", "serve", "--verifier", "127.0.0.1:1", "--target-only",
                                          "--result-json", str(tmp_path / "none" / "r.json")], 2, "--result-json"),
         "negative grace": (["gateway", "--verifier", "127.0.0.1:1", "--grace-s", "-1"], 2, "--grace-s must be >= 0"),
+        # it started, then every request got 503 from the client's own refusal of 0, for ever
+        "recovery timeout 0": (["gateway", "--verifier", "127.0.0.1:1", "--recovery-timeout-s", "0"], 2,
+                               "--recovery-timeout-s must be > 0"),
         "negative warm-up": (["bench", "serve", "--verifier", "127.0.0.1:1", "--target-only", "--warmup-requests",
                               "-1"], 2, "--warmup-requests must be >= 0"),
         "dataset that is a directory": (["bench", "serve", "--verifier", "127.0.0.1:1", "--target-only", "--dataset",

@@ -134,6 +134,28 @@ def test_a_failed_server_is_skipped_for_its_backoff_then_one_session_probes_it()
     assert not a.down and a.backoff_s == BACKOFF_MIN_S and a.info == "model"
 
 
+def test_a_due_server_is_retried_off_the_path_while_another_is_up():
+    """While a server is up, a down one due for its retry is not given a generation's session
+    (a hung server made that session wait its whole deadline, every backoff period): it is
+    claimed once for a background probe instead. With none up, a session retries it in its path
+    (the verifier has nowhere else to go) unless told not to (drafts are optional)."""
+    clock = FakeClock()
+    pool = _pool(2, clock)
+    a, b = pool.pick(), pool.pick()
+    pool.release(a)
+    pool.failed(a)
+    clock.now += BACKOFF_MIN_S
+    assert [pool.pick() for _ in range(3)] == [b, b, b]  # a is due, but b is up
+    assert pool.claim_due() == [a] and pool.claim_due() == []  # one probe at a time
+    pool.failed(a)  # the probe failed: backoff doubled, due again later
+    clock.now += 2 * BACKOFF_MIN_S
+    pool.failed(b)
+    assert pool.claim_due() == []  # nothing up: a session's own retry is the only way
+    assert pool.pick(retry_down=False) is None
+    clock.now += BACKOFF_MAX_S
+    assert pool.claim_due(always=True) == [a, b]
+
+
 def test_sessions_lost_in_one_outage_do_not_compound_the_backoff():
     clock = FakeClock()
     pool = _pool(1, clock)
@@ -332,6 +354,41 @@ def test_verifier_pool_moves_a_killed_verifiers_sessions_and_outputs_do_not_chan
               f"(seeded among them: {sum(1 for i in moved if i >= len(prompts))})")
     finally:
         doomed.kill()
+
+
+@pytest.mark.slow
+def test_a_hung_verifier_is_failed_over_within_the_keepalive_not_the_calls_deadline(verifier_proc,
+                                                                                    int8_drafter_proc):
+    """The verifier serving a greedy generation stops (SIGSTOP: a wedged process, not a closed
+    port). With the default deadline (60 s) and recovery window (10 s) the generation used to
+    wait 60 s, then fail, the healthy verifier never tried (the window had started before the
+    call). The channel's keepalive now notices within ~20 s, the session moves, and the output
+    is target-only's."""
+    import signal
+
+    hung = start_service("verifier", ARGS, threads=1)
+    params = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
+    try:
+        with SpeculativeClient(verifier_proc.address) as alone:
+            expected = alone.generate(PROMPTS[2], params, target_only=True).token_ids
+        with SpeculativeClient([hung.address, verifier_proc.address], drafter=int8_drafter_proc.address,
+                               recovery_timeout_s=10) as client:  # (the first session goes to the first listed)
+            progress: collections.Counter = collections.Counter()
+            results, threads = stream_concurrently(client, [(PROMPTS[2], params)], progress)
+            wait_for(lambda: progress[0] >= 2, 120, "the generation's first rounds")
+            stopped = time.monotonic()
+            hung.proc.send_signal(signal.SIGSTOP)
+            threads[0].join(120)
+            waited = time.monotonic() - stopped
+        result = results[0]
+        assert isinstance(result, GenerationResult), result
+        assert result.token_ids == expected
+        assert result.verifier_addresses == [hung.address, verifier_proc.address] and result.verifier_failovers == 1
+        assert waited < 45, f"{waited:.0f} s to fail over"
+        print(f"hung verifier: failed over, generation done {waited:.1f} s after the stop")
+    finally:
+        hung.proc.send_signal(signal.SIGCONT)
+        hung.kill()
 
 
 @pytest.mark.slow

@@ -85,6 +85,24 @@ def test_tls_with_the_right_ca_and_token_generates(certs, tls_token_verifier, ba
     assert len(result.token_ids) == GREEDY.max_tokens
 
 
+def test_a_drafter_that_refuses_the_clients_token_leaves_the_generations_target_only(certs, tls_token_verifier,
+                                                                                   tmp_path):
+    """Drafts are optional: a drafter restarted with other tokens (UNAUTHENTICATED) is a lost
+    drafter, as an unreachable one. It used to fail the client's start, every generation after,
+    and the gateway, whose 503 blamed the verifier."""
+    (tmp_path / "other-tokens").write_text("a-token-this-client-does-not-have\n")
+    drafter = start_service("drafter", ARGS + ["--tls-cert", str(certs / "server.pem"), "--tls-key",
+                                               str(certs / "server.key"), "--auth-token-file",
+                                               str(tmp_path / "other-tokens")], threads=1)
+    try:
+        with SpeculativeClient(tls_token_verifier.address, drafter=drafter.address, tls_ca=str(certs / "ca.pem"),
+                               auth_token=TOKEN_A) as client:
+            result = client.generate("The capital of France is", GREEDY, num_speculative_tokens=4)
+    finally:
+        drafter.stop()
+    assert len(result.token_ids) == GREEDY.max_tokens and result.num_draft_tokens == 0
+
+
 @pytest.mark.parametrize("tls", [TLSFiles(), TLSFiles(ca="rogue-ca.pem")], ids=["plaintext", "untrusted-ca"])
 def test_tls_handshake_failures_are_unavailable(certs, tls_token_verifier, tls):
     if tls.ca:
