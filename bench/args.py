@@ -35,6 +35,25 @@ def _dataset(text: str) -> str:
     return text
 
 
+def _percentiles(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--metric-percentiles takes numbers, e.g. 50,95,99.9; got {text!r}") from None
+    if not values or not all(0 < v <= 100 for v in values):
+        raise argparse.ArgumentTypeError(f"--metric-percentiles must be in (0, 100], got {text!r}")
+    return values
+
+
+def _latency_names(text: str) -> tuple[str, ...]:
+    from bench.serve import LATENCY_METRICS
+
+    names = tuple(v.strip() for v in text.split(",") if v.strip())
+    if not names or any(n not in LATENCY_METRICS for n in names):
+        raise argparse.ArgumentTypeError(f"--percentile-metrics takes {','.join(LATENCY_METRICS)}; got {text!r}")
+    return names
+
+
 def _goodput_slo(text: str) -> tuple[str, float]:
     from bench.serve import SLO_METRICS
 
@@ -103,6 +122,10 @@ def _add_workload_args(p: argparse.ArgumentParser, verifier_required: bool = Tru
                    help="hard bound on the run: unsent requests fail, in-flight ones stop after their round")
     p.add_argument("--goodput", type=_goodput_slo, nargs="+", default=[], metavar="NAME:MS",
                    help="SLOs in ms, e.g. --goodput ttft:500 tpot:50 e2el:10000")
+    p.add_argument("--metric-percentiles", type=_percentiles, default=(),
+                   help="percentiles to add to p90 and p99, comma-separated, e.g. 50,95,99.9 (vLLM's flag)")
+    p.add_argument("--percentile-metrics", type=_latency_names, default=None,
+                   help="latencies whose percentiles are printed: ttft,tpot,itl,e2el (default all; the JSON has all)")
     p.add_argument("--warmup-requests", type=_positive("--warmup-requests", zero=True), default=1,
                    help="unmeasured requests before the run")
     p.add_argument("--result-json", type=_output_file, default=None, help="write the result here")
@@ -203,6 +226,8 @@ def _workload(args: argparse.Namespace, target_only: bool):
         fanout=args.fanout,
         target_only=target_only, timeout_s=args.timeout_s, duration_limit_s=args.duration_limit_s,
         goodput_slos_ms=dict(args.goodput), warmup_requests=args.warmup_requests,
+        metric_percentiles=args.metric_percentiles,
+        **({"percentile_metrics": args.percentile_metrics} if args.percentile_metrics else {}),
         show_progress=not args.disable_tqdm,
     )
 

@@ -104,6 +104,10 @@ class WorkloadConfig:
     timeout_s: float = 60.0
     duration_limit_s: float | None = None
     goodput_slos_ms: dict[str, float] = field(default_factory=dict)
+    # vLLM's --metric-percentiles (added to the p90 / p99 every result has) and --percentile-metrics
+    # (the latencies whose percentiles are printed; the JSON has every one)
+    metric_percentiles: tuple[float, ...] = ()
+    percentile_metrics: tuple[str, ...] = LATENCY_METRICS
     warmup_requests: int = 1
     show_progress: bool = True
 
@@ -381,17 +385,26 @@ def _progress(total: int, config: WorkloadConfig):
 # ---- metrics ------------------------------------------------------------------------
 
 
-def _summary(name: str, values_s: Sequence[float]) -> dict[str, float | None]:
-    """mean / median / p90 / p99 in ms (None without data)."""
+def percentile_key(q: float) -> str:
+    """vLLM's key word for a percentile: 99 -> "p99", 99.9 -> "p99.9"."""
+    return f"p{int(q)}" if float(q).is_integer() else f"p{q:g}"
+
+
+def result_percentiles(extra: Sequence[float] = ()) -> list[float]:
+    """p90 and p99 (every result has them), and the --metric-percentiles asked for."""
+    return sorted({90.0, 99.0, *map(float, extra)})
+
+
+def _summary(name: str, values_s: Sequence[float], percentiles: Sequence[float] = ()) -> dict[str, float | None]:
+    """mean / median / std and each percentile in ms (None without data)."""
+    stats = ["mean", "median", "std", *map(percentile_key, result_percentiles(percentiles))]
     if not values_s:
-        return {f"{stat}_{name}_ms": None for stat in ("mean", "median", "p90", "p99")}
+        return {f"{stat}_{name}_ms": None for stat in stats}
     ms = np.asarray(values_s, dtype=float) * 1000.0
-    return {
-        f"mean_{name}_ms": float(ms.mean()),
-        f"median_{name}_ms": float(np.median(ms)),
-        f"p90_{name}_ms": float(np.percentile(ms, 90)),
-        f"p99_{name}_ms": float(np.percentile(ms, 99)),
-    }
+    out = {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
+           f"std_{name}_ms": float(ms.std())}
+    out.update({f"{percentile_key(q)}_{name}_ms": float(np.percentile(ms, q)) for q in result_percentiles(percentiles)})
+    return out
 
 
 def _ratio(num: float, den: float, scale: float = 1.0) -> float | None:
@@ -404,7 +417,7 @@ def meets_slos(rec: RequestRecord, slos_ms: dict[str, float]) -> bool:
 
 
 def compute_metrics(records: Sequence[RequestRecord], duration: float,
-                    goodput_slos_ms: dict[str, float] | None = None) -> dict:
+                    goodput_slos_ms: dict[str, float] | None = None, percentiles: Sequence[float] = ()) -> dict:
     ok = [r for r in records if r.ok]
     total_in = sum(r.input_tokens for r in ok)
     total_out = sum(r.output_tokens for r in ok)
@@ -425,10 +438,10 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float,
         "output_tokens_per_request_s": _ratio(total_out, sum(r.e2el for r in ok)),
         "total_token_throughput": _ratio(total_in + total_out, duration) or 0.0,
     }
-    out.update(_summary("ttft", [r.ttft for r in ok]))
-    out.update(_summary("tpot", [r.tpot for r in ok if r.tpot is not None]))
-    out.update(_summary("itl", [gap for r in ok for gap in r.itl]))
-    out.update(_summary("e2el", [r.e2el for r in ok]))
+    out.update(_summary("ttft", [r.ttft for r in ok], percentiles))
+    out.update(_summary("tpot", [r.tpot for r in ok if r.tpot is not None], percentiles))
+    out.update(_summary("itl", [gap for r in ok for gap in r.itl], percentiles))
+    out.update(_summary("e2el", [r.e2el for r in ok], percentiles))
     out.update({
         "acceptance_rate": _ratio(accepted, drafts),
         "mean_accepted_tokens_per_round": _ratio(accepted, rounds) if drafts else None,
@@ -454,6 +467,7 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float,
     if goodput_slos_ms:
         good = sum(meets_slos(r, goodput_slos_ms) for r in ok)
         out["goodput"] = _ratio(good, duration) or 0.0
+    out["request_goodput"] = out["goodput"]  # vLLM's name for it
     return out
 
 
@@ -607,10 +621,13 @@ def assemble_result(config: WorkloadConfig, records: Sequence[RequestRecord], du
         "duration_limit_s": config.duration_limit_s,
         "goodput_slos_ms": dict(config.goodput_slos_ms) or None,
     }
-    result.update(compute_metrics(records, duration, config.goodput_slos_ms))
+    result["metric_percentiles"] = result_percentiles(config.metric_percentiles)
+    result["percentile_metrics"] = list(config.percentile_metrics)
+    result.update(compute_metrics(records, duration, config.goodput_slos_ms, config.metric_percentiles))
     categories = sorted({r.category for r in records})
     result["per_category"] = {
-        cat: compute_metrics([r for r in records if r.category == cat], duration, config.goodput_slos_ms)
+        cat: compute_metrics([r for r in records if r.category == cat], duration, config.goodput_slos_ms,
+                             config.metric_percentiles)
         for cat in categories
     }
     result["server_stats"] = server_stats
@@ -684,13 +701,14 @@ def format_result(result: dict) -> str:
         row("Request goodput (req/s):", result["goodput"])
     titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
               "itl": "Inter-token Latency (per round)", "e2el": "End-to-end Latency"}
-    for name in LATENCY_METRICS:
+    for name in result.get("percentile_metrics") or LATENCY_METRICS:
         section(titles[name])
         upper = name.upper()
         row(f"Mean {upper} (ms):", result[f"mean_{name}_ms"])
         row(f"Median {upper} (ms):", result[f"median_{name}_ms"])
-        row(f"P90 {upper} (ms):", result[f"p90_{name}_ms"])
-        row(f"P99 {upper} (ms):", result[f"p99_{name}_ms"])
+        for q in result.get("metric_percentiles") or (90, 99):
+            key = percentile_key(q)
+            row(f"{key.upper()} {upper} (ms):", result.get(f"{key}_{name}_ms"))
     section("Speculative Decoding")
     row("Num speculative tokens (gamma):", result["num_speculative_tokens"])
     row("Draft acceptance rate:", result["acceptance_rate"], 3)

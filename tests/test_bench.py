@@ -34,13 +34,20 @@ def _servers(drafter_proc, verifier_proc) -> list[str]:
 
 
 @pytest.mark.slow
-def test_serve_writes_json_whose_counts_add_up_and_percentiles_are_ordered(drafter_proc, verifier_proc, tmp_path):
+def test_serve_writes_json_whose_counts_add_up_and_percentiles_are_ordered(drafter_proc, verifier_proc, tmp_path,
+                                                                          capsys):
     out = tmp_path / "serve.json"
     rc = _bench("serve", *_servers(drafter_proc, verifier_proc), "--num-prompts", "7", "--max-tokens", "8",
                 "--num-speculative-tokens", "4", "--max-concurrency", "2", "--request-rate", "20",
-                "--goodput", "e2el:60000", "--result-json", str(out))
+                "--goodput", "e2el:60000", "--result-json", str(out),
+                "--metric-percentiles", "50,99.9", "--percentile-metrics", "ttft,e2el")  # vLLM's flags
     assert rc == 0
     res = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    assert "P50 TTFT (ms):" in printed and "P99.9 E2EL (ms):" in printed and "TPOT (ms)" not in printed
+    for name in LATENCY_METRICS:  # every latency has the extra percentiles in the JSON, and vLLM's std
+        assert res[f"p50_{name}_ms"] <= res[f"p99.9_{name}_ms"] and res[f"std_{name}_ms"] >= 0, name
+    assert res["metric_percentiles"] == [50.0, 90.0, 99.0, 99.9] and res["request_goodput"] == res["goodput"]
     done = [r for r in res["per_request"] if r["error"] is None]
     assert res["num_prompts"] == 7 and res["completed"] + res["failed"] == 7
     assert res["failed"] == 0, [r["error"] for r in res["per_request"]]
