@@ -35,6 +35,7 @@ from specdec_rpc import specdec_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+STREAM_RETRY_S = 60.0  # after a stream that broke before its first answer (see _stream_ended)
 UNARY_APPEND_TOKENS = 16  # rounds appending more than this go unary (prompts, long catch-ups)
 MAX_ENTRIES = 256  # entries per VerifyBatch call
 # How long a batch waits for the rest of this client's generations: a tenth of a recent
@@ -85,6 +86,7 @@ class VerifyBatcher:
         self._pending: list[_Pending] = []
         self._linger: asyncio.TimerHandle | None = None  # sends `_pending` when it fires
         self._front = "stream"  # then "batch" (no VerifyStream) or "unary" (no VerifyBatch either)
+        self._stream_again_at: float | None = None  # "batch" for a while only: the stream broke at once
         self._stream: _Stream | None = None
         self._latency_s = 0.0  # decayed latency of recent steps
         self._calls: set[asyncio.Task] = set()  # VerifyBatch / unary fallbacks in flight
@@ -140,6 +142,8 @@ class VerifyBatcher:
             self._send(batch[i:i + MAX_ENTRIES])
 
     def _send(self, batch: list[_Pending]) -> None:
+        if self._stream_again_at is not None and time.monotonic() >= self._stream_again_at:
+            self._front, self._stream_again_at = "stream", None
         if self._front == "stream":
             if self._stream is None or self._stream.ended:
                 self._stream = _Stream(self._stub, self._name, self._stream_ended, self._returned, self._metadata)
@@ -158,6 +162,16 @@ class VerifyBatcher:
         if exc is not None and exc.code() == grpc.StatusCode.UNIMPLEMENTED and not answered:
             log.warning("verifier %s has no VerifyStream; sending VerifyBatch calls", self._name)
             self._front = "batch"
+            for batch in unanswered:
+                self._spawn(self._call(batch))
+            return
+        if exc is not None and exc.code() == grpc.StatusCode.INTERNAL and not answered and self._front == "stream":
+            # A first write racing a server that ends the call at once (no VerifyStream: UNIMPLEMENTED)
+            # can come back as INTERNAL "Failed execute_batch" instead. Its steps go as VerifyBatch
+            # calls, which say what the server knows, and the stream is tried again in a minute.
+            log.info("verifier %s ended VerifyStream before answering (%s); VerifyBatch calls for a while",
+                     self._name, exc.details())
+            self._front, self._stream_again_at = "batch", time.monotonic() + STREAM_RETRY_S
             for batch in unanswered:
                 self._spawn(self._call(batch))
             return
@@ -180,7 +194,7 @@ class VerifyBatcher:
             self._returned(time.monotonic() - start)
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 log.warning("verifier %s has no VerifyBatch; sending unary Verify calls", self._name)
-                self._front = "unary"
+                self._front, self._stream_again_at = "unary", None  # (older than VerifyStream too)
                 await asyncio.gather(*(self._send_unary(p) for p in batch))
                 return
             for p in batch:
