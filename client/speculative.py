@@ -246,23 +246,12 @@ class SpeculativeClient:
     async def _drafter_answered(self, server: Server) -> None:
         """_late_drafter's question and its answer (on the client's loop)."""
         try:
-            info = model_info_from_pb(await server.astub.GetModelInfo(pb.ModelInfoRequest(),
-                                                                      timeout=min(self.timeout_s, 5.0)))
-            check_compatible(info, self.verifier_info)
-        except IncompatibleModels as exc:
-            self.drafters.disable(server, str(exc))
-            log.error("drafter %s does not fit the verifier (%s); it is left out", server.address, exc)
-            return
-        except Exception as exc:  # noqa: BLE001 - still down (or not a drafter): retried after its backoff
-            self.drafters.failed(server)
-            log.debug("drafter %s still not answering: %r", server.address, exc)
-            return
+            info = await self._reprobe(self.drafters, server, lambda i: check_compatible(i, self.verifier_info))
         finally:
             self.drafters.release(server)
-        if self.drafter_info is None:
+        if info is not None and self.drafter_info is None:
             self.drafter_info = info
-        self.drafters.succeeded(server, info)
-        log.info("drafter %s answers (%s); speculation starts", server.address, info.model)
+            log.info("speculation starts with drafter %s", server.address)
 
     async def _probe(self, pool: ServerPool, lost: frozenset, required: bool = True) -> list[tuple[Server, ModelInfo]]:
         """(server, its ModelInfo) of the servers that answer GetModelInfo, in pool order; the
@@ -991,22 +980,24 @@ class SpeculativeClient:
             break
         return errors
 
-    async def _reprobe(self, pool: ServerPool, server: Server, check) -> None:
-        """A down server's retry, off every generation's path: its model, checked."""
+    async def _reprobe(self, pool: ServerPool, server: Server, check) -> ModelInfo | None:
+        """A down server's retry, off every generation's path: its model, checked; None while it
+        is still down (or no longer fits, and is left out)."""
         try:
             info = model_info_from_pb(await server.astub.GetModelInfo(pb.ModelInfoRequest(),
                                                                       timeout=min(self.timeout_s, 5.0)))
             check(info)
         except IncompatibleModels as exc:
             pool.disable(server, str(exc))
-            log.error("%s %s no longer fits the pool (%s); it is left out from here", pool.role, server.address, exc)
-            return
-        except Exception as exc:  # noqa: BLE001 - still down: tried again after its backoff
+            log.error("%s %s does not fit the pool (%s); it is left out", pool.role, server.address, exc)
+            return None
+        except Exception as exc:  # noqa: BLE001 - still down (or not of its role): tried again after its backoff
             pool.failed(server)
             log.debug("%s %s still not answering: %r", pool.role, server.address, exc)
-            return
+            return None
         pool.succeeded(server, info)
-        log.info("%s %s answers again", pool.role, server.address)
+        log.info("%s %s answers (%s)", pool.role, server.address, info.model)
+        return info
 
     def _check_verifier(self, info: ModelInfo) -> None:
         """A verifier joining the pool later (or coming back) must serve the same target

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from specdec.errors import InvalidArgument
-from specdec.sampling import sample_inverse_cdf
+from specdec.sampling import INT32_MAX, sample_inverse_cdf
 
 DENSE, SPARSE, IDS_ONLY = "dense", "sparse", "ids"
 _WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -34,8 +34,8 @@ class ProposalFormat:
             raise InvalidArgument("proposal_format.kind", f"must be dense, sparse or ids, got {self.kind!r}")
         if self.dtype not in _WIRE_DTYPES:
             raise InvalidArgument("proposal_format.dtype", f"must be one of {', '.join(_WIRE_DTYPES)}, got {self.dtype!r}")
-        if self.kind == SPARSE and not 1 <= self.top_n <= 2**31 - 1:  # int32 on the wire
-            raise InvalidArgument("proposal_format.top_n", f"must be in [1, 2147483647], got {self.top_n}")
+        if self.kind == SPARSE and not 1 <= self.top_n <= INT32_MAX:  # int32 on the wire
+            raise InvalidArgument("proposal_format.top_n", f"must be in [1, {INT32_MAX}], got {self.top_n}")
 
 
 @dataclass(frozen=True)
