@@ -292,7 +292,7 @@ def test_an_evicted_or_expired_sessions_job_lets_its_kv_slot_go():
                 engine.draft(sid, 0, list(range(10, 30)), 3, params, fanout=1)
             assert all(engine.speculation.pending(s) for s in sids)  # each job holds its session's slot
             # the idle steps done (the newer job pre-drafted in the one branch slot): none holds a slot meanwhile
-            _wait(lambda: engine.speculation.candidates(sids[1]) is not None)
+            _wait_candidates(engine, sids[1])
             if leave == "expired":
                 engine.sessions.ttl_s = 0.0
                 time.sleep(0.01)
@@ -304,13 +304,6 @@ def test_an_evicted_or_expired_sessions_job_lets_its_kv_slot_go():
                 engine.close_session(sid)
     finally:
         engine.shutdown()
-
-
-def _wait(condition, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 def test_a_failed_slot_allocation_is_not_counted():
