@@ -130,3 +130,10 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of process `pid`, MiB."""
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss / 2**20

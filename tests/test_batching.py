@@ -8,7 +8,6 @@ import threading
 import time
 
 import grpc
-import psutil
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import rotate_half
@@ -19,6 +18,7 @@ from specdec.sampling import SamplingParams
 from specdec.slot_forward import SlotForward, check_matches_reference, rms_norm, rotate, signed_sin
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
+from tests.conftest import rss_mb
 
 PROMPTS = [
     "The capital of France is", "def add(a, b):", "Once upon a time", "The best way to learn is",
@@ -126,10 +126,6 @@ def test_seeded_sampling_is_independent_of_batch_composition(client):
         assert all(f.result().token_ids for f in noise)
 
 
-def _rss_mb(pid: int) -> float:
-    return psutil.Process(pid).memory_info().rss / 2**20
-
-
 def test_abandoned_sessions_expire_and_memory_returns():
     """1,000 sessions opened and abandoned (every tenth with a prefill): after the TTL the live
     count is 0 and the verifier's RSS is within 10% of its baseline."""
@@ -143,7 +139,7 @@ def test_abandoned_sessions_expire_and_memory_returns():
             stub.Verify(pb.VerifyRequest(session_id=sid, append_token_ids=list(range(100, 140)), sampling=greedy))
             stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
             gc.collect()
-            baseline = _rss_mb(svc.proc.pid)
+            baseline = rss_mb(svc.proc.pid)
             opened = set()
             for i in range(1000):
                 sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
@@ -152,13 +148,13 @@ def test_abandoned_sessions_expire_and_memory_returns():
                     stub.Verify(pb.VerifyRequest(session_id=sid, append_token_ids=[100 + i % 50] * 8,
                                                  sampling=greedy))
             peak = stub.GetStats(pb.StatsRequest())
-            peak_rss = _rss_mb(svc.proc.pid)
+            peak_rss = rss_mb(svc.proc.pid)
             assert len(opened) == 1000 and peak.live_sessions > 0  # (the oldest may already have expired)
             deadline = time.monotonic() + 30
             while stub.GetStats(pb.StatsRequest()).live_sessions and time.monotonic() < deadline:
                 time.sleep(0.5)
             final = stub.GetStats(pb.StatsRequest())
-            after = _rss_mb(svc.proc.pid)
+            after = rss_mb(svc.proc.pid)
         assert final.live_sessions == 0 and final.kv_bytes == 0
         print(f"RSS baseline {baseline:.0f} MiB, with {peak.live_sessions} live sessions {peak_rss:.0f} MiB "
               f"(KV reserved {peak.kv_bytes / 2**20:.0f} MiB), after expiry {after:.0f} MiB")

@@ -16,6 +16,7 @@ import pytest
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
 from specdec_rpc.adapters import CHANNEL_OPTIONS
+from tests.conftest import rss_mb
 
 pytestmark = pytest.mark.slow
 
@@ -219,11 +220,6 @@ def test_a_slow_or_disconnected_batch_client_loses_only_its_own_sessions(stub, v
         a_channel.close()
 
 
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as fh:
-        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:")) / 1024
-
-
 def test_a_stream_client_that_never_reads_is_no_longer_read_and_costs_the_server_bounded_memory(stub, verifier_proc):
     """A client sends 300 messages of 2,000 entries (unknown sessions: each fails at once) and
     reads no reply. The server used to begin every message as it arrived and keep its results
@@ -239,14 +235,14 @@ def test_a_stream_client_that_never_reads_is_no_longer_read_and_costs_the_server
             pulled[0] += 1
             yield junk
 
-    before = _rss_mb(verifier_proc.proc.pid)
+    before = rss_mb(verifier_proc.proc.pid)
     replies = stub.VerifyStream(messages())  # never read
     try:
         last, give_up = -1, time.monotonic() + 30
         while pulled[0] != last and time.monotonic() < give_up:  # until the client can send no more
             last = pulled[0]
             time.sleep(2.0)
-        grown = _rss_mb(verifier_proc.proc.pid) - before
+        grown = rss_mb(verifier_proc.proc.pid) - before
         # before: +504 MB after 238 messages read; now about 115 read (what the transport buffers)
         assert grown < 200, f"the server grew by {grown:.0f} MB after reading {pulled[0]} messages"
         assert _run(stub, pb.SamplingParams(temperature=0.0), "stream")  # others are served meanwhile
