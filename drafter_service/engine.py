@@ -61,6 +61,7 @@ class Drafter(ServingModel):
     request. A backend says what it queues (`_request`) and how a batch runs (`_run_batch`)."""
 
     role = "drafter"
+    strict_token_filters = False  # ids past its head are skipped: the verifier checks them
 
     def draft(
         self,

@@ -6,7 +6,7 @@ stays the one place that validates them: its InvalidArgument names the field, wh
 becomes the error's `param`. Chat requests also take vLLM's chat-template extras
 (add_generation_prompt, continue_final_message, chat_template_kwargs), and a completion
 several prompts, each sampled `n` times (one generation per choice, as vLLM). What OpenAI
-defines and this server does not do (best_of > n, echo, suffix, logit_bias, tools,
+defines and this server does not do (best_of > n, echo, suffix, tools,
 structured output, beam search, ...) is refused with 400 naming the field, never silently
 ignored. A field no API defines is ignored and logged, as vLLM does.
 """
@@ -14,6 +14,7 @@ ignored. A field no API defines is ignored and logged, as vLLM does.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -64,7 +65,7 @@ _NOT_DONE: dict[str, object] = {
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
     "guided_decoding_backend": None, "guided_whitespace_pattern": None, "structured_outputs": None,
     "functions": None, "function_call": None, "use_beam_search": False, "length_penalty": None,
-    "prompt_logprobs": None, "bad_words": None, "allowed_token_ids": None,
+    "prompt_logprobs": None, "bad_words": None,
     "logits_processors": None, "truncate_prompt_tokens": None, "audio": None, "prediction": None,
     "chat_template": None, "skip_special_tokens": True, "spaces_between_special_tokens": True,
     "max_completion_tokens": None,  # /v1/completions only: chat defines it (max_tokens is completions')
@@ -95,6 +96,7 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     # this server's: SamplingParams' acceptance rule per request (vLLM sets it per server, with
     # --spec-decoding-acceptance-method); "typical" is not lossless
@@ -118,8 +120,6 @@ class _Sampling(BaseModel):
             raise bad_request("stream_options", "continuous_usage_stats is not supported; include_usage is")
         if self.n is not None and self.n < 1:
             raise bad_request("n", f"n must be >= 1, got {self.n}")
-        if self.logit_bias:
-            raise bad_request("logit_bias", "logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options", "stream_options needs stream=true")
 
@@ -280,6 +280,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_token
         "repetition_penalty": req.repetition_penalty,
         "ignore_eos": req.ignore_eos,
         "stop_token_ids": req.stop_token_ids,
+        "logit_bias": _logit_bias(req.logit_bias),
+        "allowed_token_ids": req.allowed_token_ids,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "logprobs": logprobs,
         "acceptance_method": req.acceptance_method,
@@ -292,10 +294,31 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_token
     except InvalidArgument as exc:
         name = fields.get(exc.field, exc.field)
         raise bad_request(name, f"{name}: {str(exc).split(': ', 1)[1]}") from None
-    if vocab_size is not None and (bad := [t for t in params.stop_token_ids if t >= vocab_size]):
-        raise bad_request("stop_token_ids", f"stop_token_ids: token id {bad[0]} is outside the model's vocabulary "
-                                            f"[0, {vocab_size})")
+    if vocab_size is not None:
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            if bad := [t for t in ids if t >= vocab_size]:
+                raise bad_request(name, f"{name}: token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})")
     return params
+
+
+LOGIT_BIAS_BOUND = 100.0  # OpenAI's range for a bias; vLLM clamps to it
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias} -> {id: bias clamped to [-100, 100]}, as vLLM."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request("logit_bias", f"logit_bias: keys are token ids, got {key!r}") from None
+        if not math.isfinite(value):
+            raise bad_request("logit_bias", f"logit_bias: the bias of token {key} must be a finite number, got {value}")
+        out[token] = max(-LOGIT_BIAS_BOUND, min(LOGIT_BIAS_BOUND, value))
+    return out
 
 
 # ---- responses ------------------------------------------------------------------------------

@@ -86,6 +86,8 @@ class SamplingParams:
     acceptance_method: str = REJECTION
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the dataclass hashable and immutable.
@@ -94,11 +96,21 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         except TypeError:
             raise InvalidArgument("stop_token_ids", f"must be a sequence of token ids, got {self.stop_token_ids!r}") from None
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            try:
+                object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+            except TypeError:
+                raise InvalidArgument("allowed_token_ids", "must be a sequence of token ids, got "
+                                                           f"{self.allowed_token_ids!r}") from None
         self.validate()
         for name in ("top_k", "max_tokens", "min_tokens", "seed", "logprobs"):  # numpy's ints -> int
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
         object.__setattr__(self, "stop_token_ids", tuple(map(int, self.stop_token_ids)))
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(map(int, self.allowed_token_ids)))))
         if self.top_k == -1:  # vLLM's "off", stored as ours (0) so equal settings compare equal
             object.__setattr__(self, "top_k", 0)
         if self.seed is not None and self.seed < 0:  # vLLM takes int64 seeds: kept as their uint64 bit pattern
@@ -115,6 +127,11 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def has_token_filters(self) -> bool:
+        """logit_bias or allowed_token_ids: processing that changes the raw logits of given ids."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     def validate(self) -> None:
         def finite(name: str) -> float:
@@ -155,6 +172,20 @@ class SamplingParams:
             raise InvalidArgument("stop", "stop strings must be non-empty")
         if any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
             raise InvalidArgument("stop_token_ids", f"token ids must be in [0, {INT32_MAX}]")
+        for t, bias in self.logit_bias:
+            integer("logit_bias", t)
+            if not 0 <= t <= INT32_MAX:
+                raise InvalidArgument("logit_bias", f"token ids must be in [0, {INT32_MAX}], got {t}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
+                    or abs(bias) > _FLOAT32_MAX:
+                raise InvalidArgument("logit_bias", f"the bias of token {t} must be a finite number, got {bias!r}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise InvalidArgument("allowed_token_ids", "must name at least one token (None allows every token)")
+            for t in self.allowed_token_ids:
+                integer("allowed_token_ids", t)
+                if not 0 <= t <= INT32_MAX:
+                    raise InvalidArgument("allowed_token_ids", f"token ids must be in [0, {INT32_MAX}], got {t}")
         if float32(finite("repetition_penalty")) <= 0:
             raise InvalidArgument("repetition_penalty", f"must be > 0 (1 disables it), got {self.repetition_penalty}"
                                                         f"{_as_sent(self.repetition_penalty)}")
@@ -194,6 +225,43 @@ class TokenContext:
     prefix: Sequence[int]
     prompt_length: int
     eos_token_ids: tuple[int, ...] = ()
+
+
+def _bias_pairs(value) -> tuple:
+    """logit_bias as given ({id: bias} or (id, bias) pairs) -> pairs sorted by id, one per id."""
+    try:
+        pairs = list(value.items()) if isinstance(value, dict) else [tuple(p) for p in value]
+    except TypeError:
+        raise InvalidArgument("logit_bias", f"must map token ids to biases, got {value!r}") from None
+    if any(len(p) != 2 for p in pairs):
+        raise InvalidArgument("logit_bias", f"must map token ids to biases, got {value!r}")
+    ids = [t for t, _ in pairs]
+    if len(set(ids)) != len(ids):
+        raise InvalidArgument("logit_bias", "names a token id twice")
+    try:
+        return tuple(sorted(pairs))
+    except TypeError:  # ids of mixed types: validate() names them
+        return tuple(pairs)
+
+
+def apply_token_filters(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """allowed_token_ids, then logit_bias, on raw logits [N, V] (a new tensor; the input is
+    never written). Ids past V are skipped: a drafter whose head is smaller than the target's
+    proposes none of them anyway, and the verifier refuses them (`check_request`). An allowed
+    set with no id below V leaves the logits unmasked (such a drafter's drafts are all
+    rejected; the verifier's processing, which is the one that counts, masks)."""
+    vocab = logits.shape[-1]
+    allowed = [t for t in params.allowed_token_ids or () if t < vocab]
+    if allowed:
+        mask = torch.full((vocab,), -math.inf, dtype=logits.dtype, device=logits.device)
+        mask[torch.tensor(allowed, device=logits.device)] = 0.0
+        logits = logits + mask
+    bias = [(t, b) for t, b in params.logit_bias if t < vocab]
+    if bias:
+        ids = torch.tensor([t for t, _ in bias], device=logits.device)
+        logits = logits.index_add(-1, ids, torch.tensor([b for _, b in bias], dtype=logits.dtype,
+                                                        device=logits.device).expand(*logits.shape[:-1], -1))
+    return logits
 
 
 def apply_penalties_and_min_tokens(
@@ -283,6 +351,8 @@ def process_logits(
     `logprobs` reports for them (temperature 0 has no distribution of its own).
     """
     logits = logits.float()
+    if params.has_token_filters:
+        logits = apply_token_filters(logits, params)
     if ctx is not None:
         logits = apply_penalties_and_min_tokens(logits, params, ctx, block)
     if params.greedy:

@@ -202,6 +202,9 @@ class ServingModel:
     """
 
     role = "model"
+    # A verifier refuses logit_bias / allowed_token_ids ids past its vocabulary; a drafter skips
+    # them (apply_token_filters): its head may be smaller than the target's, and the verifier decides.
+    strict_token_filters = True
 
     def __init__(self, spec: ModelSpec, config: EngineConfig = EngineConfig(), lm: CausalLM | None = None) -> None:
         self.spec = spec
@@ -293,6 +296,8 @@ class ServingModel:
         if truncate_to < 0:  # first: the prompt_length bound below is stated in terms of it
             raise InvalidArgument("truncate_to", f"must be >= 0, got {truncate_to}")
         self.check_token_ids(list(params.stop_token_ids), "sampling.stop_token_ids")
+        if params.has_token_filters:
+            self._check_token_filters(params)
         if not 0 <= prompt_length <= truncate_to + len(append_token_ids):
             raise InvalidArgument(
                 "prompt_length",
@@ -312,6 +317,18 @@ class ServingModel:
             raise OutOfRange(
                 f"truncate_to + len(append_token_ids) + drafts = {end} exceeds the maximum context {self.lm.max_context}"
             )
+
+    def _check_token_filters(self, params: SamplingParams) -> None:
+        vocab = self.lm.vocab_size
+        if self.strict_token_filters:
+            self.check_token_ids([t for t, _ in params.logit_bias], "sampling.logit_bias")
+            self.check_token_ids(list(params.allowed_token_ids or ()), "sampling.allowed_token_ids")
+        allowed = {t for t in params.allowed_token_ids or () if t < vocab}
+        if allowed and params.min_tokens:
+            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.info.eos_token_ids))
+            if allowed <= banned:  # every row before min_tokens would be -inf everywhere
+                raise InvalidArgument("sampling.allowed_token_ids", "min_tokens masks every allowed token (each is "
+                                                                    "EOS or a stop token id)")
 
     def token_context(self, tokens: list[int], prompt_length: int) -> TokenContext:
         return TokenContext(prefix=tokens, prompt_length=prompt_length, eos_token_ids=self.info.eos_token_ids)

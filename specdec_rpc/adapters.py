@@ -81,7 +81,8 @@ _SCALAR_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_
 
 def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(stop_token_ids=list(params.stop_token_ids),
-                            acceptance_method=_METHOD_TO_PB[params.acceptance_method])
+                            acceptance_method=_METHOD_TO_PB[params.acceptance_method],
+                            logit_bias=dict(params.logit_bias), allowed_token_ids=params.allowed_token_ids or ())
     defaults = SamplingParams()
     for name in _SCALAR_FIELDS:
         value = getattr(params, name)
@@ -118,7 +119,8 @@ def _sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         kwargs["acceptance_method"] = method
     # max_tokens is the client's business; never let its default reject a valid min_tokens.
     kwargs["max_tokens"] = max(1, kwargs.get("min_tokens", 1))
-    return SamplingParams(stop_token_ids=tuple(msg.stop_token_ids), **kwargs)
+    return SamplingParams(stop_token_ids=tuple(msg.stop_token_ids), logit_bias=dict(msg.logit_bias),
+                          allowed_token_ids=tuple(msg.allowed_token_ids) or None, **kwargs)
 
 
 # ---- proposals ----------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 
@@ -11,7 +12,8 @@ import torch
 
 from specdec.errors import InvalidArgument, OutOfRange, ResourceExhausted, SessionBusy, SessionNotFound
 from specdec.proposals import DENSE, IDS_ONLY, SPARSE, ProposalBuilder, ProposalFormat, decode_proposal
-from specdec.sampling import SamplingParams, logits_to_probs, position_uniforms, sample_inverse_cdf
+from specdec.sampling import SamplingParams, logits_to_probs, position_uniforms, process_logits, sample_inverse_cdf
+from specdec_rpc.adapters import sampling_from_pb, sampling_to_pb
 from specdec.sessions import SessionStore
 from tests.conftest import chi_square_pvalue
 
@@ -34,6 +36,35 @@ def test_top_k_minus_one_is_off_as_in_vllm():
 def test_a_negative_seed_is_its_uint64_bit_pattern_as_vllm_takes_int64_seeds():
     assert SamplingParams(seed=-5).seed == 2**64 - 5 and SamplingParams(seed=-2**63).seed == 2**63
     assert SamplingParams(seed=-5) == SamplingParams(seed=2**64 - 5) != SamplingParams(seed=5)
+
+
+def test_logit_bias_and_allowed_token_ids_are_applied_to_the_raw_logits_as_vllm():
+    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0, 0.0], [0.0, 1.0, 2.0, 3.0, 4.0]])  # [N=2, V=5]
+    before = logits.clone()
+    params = SamplingParams(temperature=0.0, logit_bias={0: 10.0, 3: -1.5, 7: 5.0}, allowed_token_ids=[3, 0, 2, 9])
+    out = process_logits(logits, params)
+    assert torch.equal(logits, before)  # the caller's logits (a view of the model's output) are never written
+    expected = torch.tensor([[11.0, -math.inf, 3.0, 0.5, -math.inf], [10.0, -math.inf, 2.0, 1.5, -math.inf]])
+    assert torch.allclose(out, torch.softmax(expected, dim=-1))  # ids 7 and 9 are past V: skipped
+    sampled = process_logits(logits, params.replace(temperature=2.0))
+    assert torch.allclose(sampled, torch.softmax(expected / 2.0, dim=-1))
+    # A dict and its pairs are one value: hashable, equal, and they survive the wire.
+    assert SamplingParams(logit_bias={3: 1.0, 1: 2.0}) == SamplingParams(logit_bias=[(1, 2.0), (3, 1.0)])
+    sent = params.replace(max_tokens=1)  # (max_tokens is the client's: it does not travel)
+    assert sampling_from_pb(sampling_to_pb(sent)) == sent and hash(sampling_from_pb(sampling_to_pb(sent))) == hash(sent)
+    assert sampling_from_pb(sampling_to_pb(SamplingParams())).allowed_token_ids is None
+
+
+@pytest.mark.parametrize("field,kwargs", [
+    ("logit_bias", {"logit_bias": {-1: 1.0}}), ("logit_bias", {"logit_bias": {1: float("nan")}}),
+    ("logit_bias", {"logit_bias": {"5": 1.0}}), ("logit_bias", {"logit_bias": [(1, 1.0), (1, 2.0)]}),
+    ("logit_bias", {"logit_bias": 3}), ("allowed_token_ids", {"allowed_token_ids": []}),
+    ("allowed_token_ids", {"allowed_token_ids": [2**31]}), ("allowed_token_ids", {"allowed_token_ids": 5}),
+])
+def test_invalid_token_filters_name_the_field(field, kwargs):
+    with pytest.raises(InvalidArgument) as err:
+        SamplingParams(**kwargs)
+    assert err.value.field == field
 
 
 def test_top_k_keeps_exactly_k_tokens():

@@ -378,6 +378,9 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
               "repetition_penalty of 0 as a 32-bit float": {"extra_body": {"repetition_penalty": 1e-50}},
               "continuous_usage_stats": {"stream": True, "stream_options": {"include_usage": True,
                                                                             "continuous_usage_stats": True}},
+              "logit_bias keyed by a word": {"logit_bias": {"hello": 5}},
+              "logit_bias past the vocabulary": {"logit_bias": {str(10**7): 5}},
+              "allowed_token_ids past the vocabulary": {"extra_body": {"allowed_token_ids": [5, 10**7]}},
               }[case]
     with pytest.raises(openai.APIStatusError) as info:
         client.chat.completions.create(**{"model": model, "messages": messages, "max_tokens": 2, **kwargs})
@@ -408,6 +411,9 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
     ("top_p of 0 as a 32-bit float", 400, "top_p", None),
     ("repetition_penalty of 0 as a 32-bit float", 400, "repetition_penalty", None),
     ("continuous_usage_stats", 400, "stream_options", None),
+    ("logit_bias keyed by a word", 400, "logit_bias", None),
+    ("logit_bias past the vocabulary", 400, "logit_bias", None),
+    ("allowed_token_ids past the vocabulary", 400, "allowed_token_ids", None),
 ])
 def test_bad_request_gets_its_status_and_openai_error_body_and_the_gateway_keeps_serving(
         oai, model, base_url, case, status, param, code):
@@ -429,6 +435,28 @@ def test_a_prompt_that_fits_without_max_tokens_gets_the_room_left_not_an_error(o
     out = oai.completions.create(model=model, prompt=[1] + [28] * (max_context - 5), temperature=0,
                                  extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 4 and out.choices[0].finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_logit_bias_and_allowed_token_ids_constrain_the_reply(oai, model, tokenizer):
+    """OpenAI's logit_bias (clamped to ±100, as vLLM) and vLLM's allowed_token_ids reach both
+    services: a banned token never appears, and an allowed set bounds every token."""
+    prompt = "The capital of France is"
+    plain = oai.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    first = tokenizer(plain.choices[0].text, add_special_tokens=False).input_ids[0]
+    banned = oai.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
+                                    logit_bias={str(first): -1000}, extra_body={"ignore_eos": True})
+    assert banned.choices[0].text != plain.choices[0].text
+    assert first not in tokenizer(banned.choices[0].text, add_special_tokens=False).input_ids
+    # Words of one token each: the reply's words are then exactly the tokens it sampled.
+    words = [w for w in ("Paris", "London", "Rome", "the", "a", "city", "and")
+             if len(tokenizer(" " + w, add_special_tokens=False).input_ids) == 1]
+    allowed = [tokenizer(" " + w, add_special_tokens=False).input_ids[0] for w in words]
+    out = oai.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=1.0, seed=1,
+                                 extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    assert len(words) >= 4 and out.usage.completion_tokens == 8
+    assert set(out.choices[0].text.split()) <= set(words), out.choices[0].text
 
 
 @pytest.mark.slow

@@ -234,3 +234,58 @@ def test_typical_acceptance_thresholds_reach_the_verifier(int8_client):
     greedy = int8_client.generate(first, SamplingParams(temperature=0.0, max_tokens=19, ignore_eos=True),
                                   target_only=True)
     assert strict.token_ids[1:-1] == greedy.token_ids[:-1]
+
+
+def test_logit_bias_and_allowed_token_ids_shape_the_output_on_both_services(int8_client, stubs, target_lm):
+    """vLLM's logit_bias and allowed_token_ids, applied to the raw logits by both services:
+    greedy speculative output equals target-only output under the same bias; sampled output
+    stays inside the allowed set, its logprobs are the filtered target's, and the drafter
+    drafts only allowed tokens (it filters too, so its drafts are worth verifying)."""
+    prompt = "The three primary colours are"
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = int8_client.generate(prompt, greedy, target_only=True)
+    banned = sorted(set(plain.token_ids[:3]))
+    biased = greedy.replace(logit_bias={t: -100.0 for t in banned})
+    reference = int8_client.generate(prompt, biased, target_only=True)
+    spec = int8_client.generate(prompt, biased, num_speculative_tokens=3)
+    assert spec.token_ids == reference.token_ids != plain.token_ids
+    assert not set(banned) & set(reference.token_ids) and spec.num_accepted_tokens > 0
+
+    allowed = sorted(set(int8_client.encode_prompt(" red green blue yellow, and the colours of light are")))
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, logprobs=2,
+                            allowed_token_ids=allowed, logit_bias={allowed[0]: 2.0})
+    r = int8_client.generate(prompt, params, num_speculative_tokens=3)
+    assert set(r.token_ids) <= set(allowed) and r.num_draft_tokens > 0
+    ref = _reference_logprobs(target_lm, r.prompt_token_ids, r.token_ids, params)
+    assert all(abs(lp["logprob"] - float(ref[i, tok])) < 1e-3
+               for i, (tok, lp) in enumerate(zip(r.token_ids, r.logprobs)))
+    drafter, verifier = stubs
+    ids = int8_client.encode_prompt(prompt)
+    sid = drafter.OpenSession(pb.OpenSessionRequest()).session_id
+    try:
+        drafts = drafter.Draft(pb.DraftRequest(session_id=sid, append_token_ids=ids, num_draft_tokens=4,
+                                               sampling=sampling_to_pb(params), prompt_length=len(ids)))
+    finally:
+        drafter.CloseSession(pb.CloseSessionRequest(session_id=sid))
+    assert len(drafts.draft_token_ids) == 4 and set(drafts.draft_token_ids) <= set(allowed)
+
+
+def test_token_filters_the_verifier_cannot_apply_are_invalid_argument(stubs, int8_client):
+    drafter, verifier = stubs
+    vocab = int8_client.verifier_info.vocab_size
+    past = pb.SamplingParams(logit_bias={vocab: 1.0})
+    with pytest.raises(grpc.RpcError) as err:
+        verifier.Verify(pb.VerifyRequest(session_id="x", append_token_ids=[1], sampling=past))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias" in err.value.details()
+    # A drafter skips ids past its head (a smaller drafter head is allowed): the session is what fails here.
+    with pytest.raises(grpc.RpcError) as err:
+        drafter.Draft(pb.DraftRequest(session_id="x", append_token_ids=[1], num_draft_tokens=1, sampling=past))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    eos = list(int8_client.verifier_info.eos_token_ids)
+    only_eos = pb.SamplingParams(allowed_token_ids=eos, min_tokens=2)  # every row before min_tokens: -inf everywhere
+    for call in (lambda: drafter.Draft(pb.DraftRequest(session_id="x", append_token_ids=[1], num_draft_tokens=1,
+                                                       sampling=only_eos)),
+                 lambda: verifier.Verify(pb.VerifyRequest(session_id="x", append_token_ids=[1], sampling=only_eos))):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "allowed_token_ids" in err.value.details()
