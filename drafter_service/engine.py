@@ -265,6 +265,10 @@ class DrafterEngine(Drafter):
             return
         self.speculation.submit(SpeculationJob(session.session_id, session.cache, list(session.tokens), r.drafts[-1],
                                                r.num_draft_tokens, r.fanout, r.key))
+        if session.session_id not in self.sessions:
+            # Closed while this Draft ran: its removal dropped no job yet, so this one would
+            # hold the session's slot until an idle step noticed. (A close after the submit drops it.)
+            self.speculation.drop(session.session_id)
 
     def _idle(self) -> bool:
         """One batched forward of pre-drafting: each job's probe or its current branch."""

@@ -270,6 +270,27 @@ def test_engine_cache_is_off_without_fanout_and_closing_drops_branches(engines):
     assert not cached.speculation.pending(sid)
 
 
+def test_a_session_closed_while_its_draft_runs_leaves_no_job(engines, monkeypatch):
+    """CloseSession landing while the session's Draft is in the engine: the removal found no
+    job to drop, and the job the Draft then planned held the session's KV slot until some
+    later idle step noticed (none runs while requests keep coming: here, none runs at all).
+    The close is made to land at the worst moment: after the step, before the job is planned."""
+    from specdec.sampling import SamplingParams
+
+    _, cached = engines
+    sid = cached.open_session()
+    finish = cached._finish
+
+    def close_then_finish(r, load):
+        cached.close_session(sid)
+        return finish(r, load)
+
+    monkeypatch.setattr(cached, "_finish", close_then_finish)
+    monkeypatch.setattr(cached.speculation, "work", lambda *args, **kwargs: [])  # no idle step drops it
+    cached.draft(sid, 0, [1, 2, 3, 4, 5], 4, SamplingParams(temperature=0), fanout=1)
+    assert sid not in cached.sessions and not cached.speculation.pending(sid)
+
+
 def test_an_evicted_or_expired_sessions_job_lets_its_kv_slot_go():
     """On the fast path a KV slot returns to the pool with its last reference, and a session's
     speculation job holds its slot (`source`). Jobs of evicted and expired sessions were dropped
