@@ -29,9 +29,9 @@ def _output_file(text: str) -> str:
 
 def _dataset(text: str) -> str:
     """An argparse type: the shipped set's name or a file (its content is checked on loading)."""
-    if text != "specbench" and not os.path.isfile(text):
+    if text not in ("specbench", "random") and not os.path.isfile(text):
         raise argparse.ArgumentTypeError(f"{text!r} is {'a directory' if os.path.isdir(text) else 'no file'}; give "
-                                         "'specbench', a .jsonl file or a ShareGPT JSON file")
+                                         "'specbench', 'random', a .jsonl file or a ShareGPT JSON file")
     return text
 
 
@@ -85,8 +85,17 @@ def _gamma(text: str) -> int | str:
 
 def _add_dataset_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: int) -> None:
     p.add_argument("--dataset", type=_dataset, default="specbench",
-                   help="'specbench' (the shipped 126 prompts, 7 categories), a ShareGPT JSON file, or a .jsonl "
-                        "file of {\"prompt\": ...} lines (vLLM's custom dataset)")
+                   help="'specbench' (the shipped 126 prompts, 7 categories), 'random' (vLLM's: random token ids, "
+                        "--random-*), a ShareGPT JSON file, or a .jsonl file of {\"prompt\": ...} lines (vLLM's "
+                        "custom dataset)")
+    p.add_argument("--random-input-len", type=_positive("--random-input-len"), default=1024,
+                   help="--dataset random: prompt tokens after the prefix")
+    p.add_argument("--random-output-len", type=_positive("--random-output-len"), default=128,
+                   help="--dataset random: each request's max_tokens (instead of --max-tokens)")
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="--dataset random: lengths uniform in [len·(1 - r), len·(1 + r)], r in [0, 1)")
+    p.add_argument("--random-prefix-len", type=int, default=0,
+                   help="--dataset random: random tokens every prompt starts with")
     p.add_argument("--num-prompts", type=_positive("--num-prompts"), default=num_prompts)
     p.add_argument("--max-tokens", type=_positive("--max-tokens"), default=max_tokens)
     p.add_argument("--seed", type=int, default=0, help="prompt order, arrivals and per-request sampling seeds")
@@ -214,6 +223,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _workload(args: argparse.Namespace, target_only: bool):
+    from bench.datasets import RandomDataset
     from bench.serve import WorkloadConfig
     from specdec.sampling import SamplingParams
 
@@ -221,6 +231,8 @@ def _workload(args: argparse.Namespace, target_only: bool):
                             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     return WorkloadConfig(
         verifier=args.verifier, drafter=args.drafter, dataset=args.dataset, num_prompts=args.num_prompts,
+        random_dataset=RandomDataset(args.random_input_len, args.random_output_len, args.random_range_ratio,
+                                     args.random_prefix_len),
         request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
         seed=args.seed, params=params, num_speculative_tokens=args.num_speculative_tokens, chat=args.chat,
         fanout=args.fanout,

@@ -1,4 +1,5 @@
-"""Benchmark prompts: the shipped Spec-Bench-style set, a ShareGPT JSON file, or a JSONL file of prompts.
+"""Benchmark prompts: the shipped Spec-Bench-style set, a ShareGPT JSON file, a JSONL file of
+prompts, or vLLM's random dataset.
 
 The shipped set (`data/prompts.jsonl`, written for this project) has 18 prompts in each
 of Spec-Bench's six categories plus code. One JSON object per line:
@@ -12,6 +13,12 @@ A ShareGPT file is a JSON list of `{"conversations": [{"from": "human", "value":
 
 A `.jsonl` file is vLLM's custom dataset: one `{"prompt": ...}` object per line (an
 optional "category" labels it, else "custom"; other keys are ignored).
+
+`random` is vLLM's random dataset (`--random-input-len`, `--random-output-len`,
+`--random-range-ratio`, `--random-prefix-len`): prompts of uniform random token ids (a shared
+random prefix, then each request's own ids), sent as ids without a chat template, each with
+its own output length. Text nobody wrote: the worst case for a drafter, whose acceptance is
+then near its floor.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from pathlib import Path
 from typing import Sequence
 
 SHIPPED = "specbench"
+RANDOM = "random"
 SHIPPED_PATH = Path(__file__).resolve().parent / "data" / "prompts.jsonl"
 SHAREGPT = "sharegpt"
 _USER_ROLES = ("human", "user")  # ShareGPT exports write either
@@ -44,6 +52,8 @@ class BenchPrompt:
     id: str
     category: str
     messages: tuple[str, ...]  # user, assistant, user, ...: odd length, the last one is the user's
+    token_ids: tuple[int, ...] | None = None  # the random dataset's: sent as ids, no template
+    max_tokens: int | None = None  # the random dataset's output length (else the run's --max-tokens)
 
     @property
     def text(self) -> str:
@@ -116,10 +126,47 @@ def load_jsonl(path: str | Path) -> list[BenchPrompt]:
     return prompts
 
 
+@dataclass(frozen=True)
+class RandomDataset:
+    """vLLM's random dataset: lengths drawn uniformly in [len·(1 - ratio), len·(1 + ratio)]."""
+
+    input_len: int = 1024
+    output_len: int = 128
+    range_ratio: float = 0.0
+    prefix_len: int = 0
+
+    def __post_init__(self) -> None:
+        if self.input_len < 1 or self.output_len < 1 or self.prefix_len < 0:
+            raise ValueError("--random-input-len and --random-output-len must be >= 1, --random-prefix-len >= 0")
+        if not 0.0 <= self.range_ratio < 1.0:
+            raise ValueError(f"--random-range-ratio must be in [0, 1), got {self.range_ratio}")
+
+    def longest(self) -> int:
+        """The most tokens one request can need: its prompt and its output."""
+        return self.prefix_len + int(self.input_len * (1 + self.range_ratio)) + int(self.output_len * (1 + self.range_ratio))
+
+    def prompts(self, num: int, vocab_size: int, seed: int) -> list[BenchPrompt]:
+        """num prompts; their lengths depend on the seed alone, not on the vocabulary."""
+        lengths, tokens = random.Random(seed), random.Random(seed + 1)
+
+        def length(n: int) -> int:
+            return lengths.randint(max(1, int(n * (1 - self.range_ratio))), int(n * (1 + self.range_ratio)))
+
+        sizes = [(length(self.input_len), length(self.output_len)) for _ in range(num)]
+        prefix = [tokens.randrange(vocab_size) for _ in range(self.prefix_len)]
+        return [BenchPrompt(id=f"random-{i}", category=RANDOM, messages=("",), max_tokens=out,
+                            token_ids=tuple(prefix + [tokens.randrange(vocab_size) for _ in range(n)]))
+                for i, (n, out) in enumerate(sizes)]
+
+
 def load_dataset(dataset: str) -> list[BenchPrompt]:
-    """`specbench` (the shipped set), a `.jsonl` file of {"prompt"} lines, or a ShareGPT JSON file."""
+    """`specbench` (the shipped set), a `.jsonl` file of {"prompt"} lines, or a ShareGPT JSON file
+    (`random` needs the model's vocabulary: RandomDataset.prompts)."""
     if dataset == SHIPPED:
         return load_shipped()
+    if dataset == RANDOM:
+        raise ValueError("--dataset random is generated from the target's vocabulary: `bench serve` and `bench "
+                         "sweep` with the specdec backend take it")
     if not Path(dataset).is_file():
         why = "a directory" if Path(dataset).is_dir() else "no such file"
         raise ValueError(f"--dataset must be '{SHIPPED}', a .jsonl file or a ShareGPT JSON file, got {dataset!r} "

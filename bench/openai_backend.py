@@ -113,7 +113,7 @@ class OpenAIServer:
         if deadline is not None and time.perf_counter() >= deadline:
             rec.error = "not sent: duration limit reached"
             return rec
-        body = self.payload(req.prompt, request_params(config, req.index))
+        body = self.payload(req.prompt, request_params(config, req))
         sent = last = time.perf_counter()
         rec.start = sent - run_start
         chunks, usage, spec, finish = 0, None, None, None

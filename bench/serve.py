@@ -71,7 +71,7 @@ from typing import Iterable, Sequence
 import grpc
 import numpy as np
 
-from bench.datasets import SHIPPED, BenchPrompt, interleave, load_dataset
+from bench.datasets import RANDOM, SHIPPED, BenchPrompt, RandomDataset, interleave, load_dataset
 from client.pool import parse_addresses
 from client.speculative import AUTO, SpeculativeClient
 from specdec.sampling import SamplingParams, mix64
@@ -91,6 +91,7 @@ class WorkloadConfig:
     verifier: str  # HOST:PORT, or several comma-separated: a pool
     drafter: str | None = None
     dataset: str = SHIPPED
+    random_dataset: RandomDataset = RandomDataset()  # --dataset random's lengths
     num_prompts: int = 24
     request_rate: float = math.inf
     burstiness: float = 1.0
@@ -239,6 +240,8 @@ def encode(client: SpeculativeClient, prompt: BenchPrompt, chat: bool) -> list[i
 def build_requests(client: SpeculativeClient, config: WorkloadConfig) -> list[BenchRequest]:
     """num_prompts requests from the dataset in a seeded, category-interleaved order,
     cycling when it has fewer; prompts too long for the context are skipped."""
+    if config.dataset == RANDOM:
+        return _random_requests(client, config)
     prompts = interleave(load_dataset(config.dataset), config.seed)
     limit = client.verifier_info.max_context - config.params.max_tokens
     encoded = []
@@ -253,11 +256,27 @@ def build_requests(client: SpeculativeClient, config: WorkloadConfig) -> list[Be
     return [BenchRequest(i, *encoded[i % len(encoded)]) for i in range(config.num_prompts)]
 
 
-def request_params(config: WorkloadConfig, index: int) -> SamplingParams:
-    """Random sampling gets a per-request seed derived from --seed, so runs repeat."""
-    if config.params.greedy:
-        return config.params
-    return config.params.replace(seed=mix64(config.seed, index))
+def _random_requests(client: SpeculativeClient, config: WorkloadConfig) -> list[BenchRequest]:
+    """vLLM's random dataset, drawn from the tokenizer's ids (the same in target-only and
+    speculative runs, which must send the same prompts)."""
+    spec, context = config.random_dataset, client.verifier_info.max_context
+    if spec.longest() > context:
+        raise ValueError(f"--dataset random: a request may need {spec.longest()} tokens (prefix + input and output "
+                         f"at their longest), past the verifier's context of {context}")
+    vocab = min(client.verifier_info.vocab_size, len(client.tokenizer))
+    prompts = spec.prompts(config.num_prompts, vocab, config.seed)
+    return [BenchRequest(i, p, p.token_ids) for i, p in enumerate(prompts)]
+
+
+def request_params(config: WorkloadConfig, req: BenchRequest) -> SamplingParams:
+    """Random sampling gets a per-request seed derived from --seed, so runs repeat; the random
+    dataset's requests have their own output lengths."""
+    params = config.params
+    if req.prompt.max_tokens is not None:
+        params = params.replace(max_tokens=req.prompt.max_tokens)
+    if params.greedy:
+        return params
+    return params.replace(seed=mix64(config.seed, req.index))
 
 
 class _Aborted(Exception):
@@ -271,7 +290,7 @@ async def send_request(client: SpeculativeClient, req: BenchRequest, config: Wor
     if deadline is not None and time.perf_counter() >= deadline:
         rec.error = "not sent: duration limit reached"
         return rec
-    params = request_params(config, req.index)
+    params = request_params(config, req)
     sent = last = time.perf_counter()
     rec.start = sent - run_start
     stream = client.astream(list(req.prompt_ids), params, num_speculative_tokens=gamma,
@@ -590,7 +609,8 @@ def workload_keys(config: WorkloadConfig) -> dict:
     compared with a --baseline-json must match its baseline on these (and on num_prompts)."""
     return {
         "dataset": config.dataset,
-        "chat": config.chat,
+        **({"random_dataset": dataclasses.asdict(config.random_dataset)} if config.dataset == RANDOM else {}),
+        "chat": config.chat and config.dataset != RANDOM,
         "request_rate": _json_rate(config.request_rate),
         "max_concurrency": config.max_concurrency,
         "seed": config.seed,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from bench.datasets import CATEGORIES, CUSTOM, SHAREGPT, load_dataset, load_shipped
+from bench.datasets import CATEGORIES, CUSTOM, SHAREGPT, RandomDataset, load_dataset, load_shipped
 from bench.serve import (
     LATENCY_METRICS,
     accepted_per_round,
@@ -64,6 +64,34 @@ def test_serve_writes_json_whose_counts_add_up_and_percentiles_are_ordered(draft
     for metrics in res["per_category"].values():
         assert metrics["completed"] == 1 and metrics["median_ttft_ms"] > 0
     assert res["system_efficiency"] is None  # no target-only baseline given
+
+
+def test_random_dataset_draws_vllms_lengths_reproducibly():
+    spec = RandomDataset(input_len=40, output_len=10, range_ratio=0.5, prefix_len=5)
+    prompts = spec.prompts(200, vocab_size=300, seed=3)
+    assert prompts == spec.prompts(200, vocab_size=300, seed=3) != spec.prompts(200, vocab_size=300, seed=4)
+    inputs = [len(p.token_ids) - 5 for p in prompts]
+    assert set(inputs) <= set(range(20, 61)) and len(set(inputs)) >= 35  # uniform on [40·0.5, 40·1.5]
+    assert {p.max_tokens for p in prompts} == set(range(5, 16))
+    assert len({p.token_ids[:5] for p in prompts}) == 1 and len({p.token_ids[5:] for p in prompts}) == 200
+    assert all(0 <= t < 300 for p in prompts for t in p.token_ids) and spec.longest() == 5 + 60 + 15
+    for bad in ({"range_ratio": 1.0}, {"input_len": 0}, {"prefix_len": -1}):
+        with pytest.raises(ValueError):
+            RandomDataset(**bad)
+
+
+@pytest.mark.slow
+def test_random_dataset_sends_ids_with_their_own_output_lengths(drafter_proc, verifier_proc, tmp_path):
+    out = tmp_path / "random.json"
+    assert _bench("serve", *_servers(drafter_proc, verifier_proc), "--dataset", "random", "--random-input-len", "24",
+                  "--random-output-len", "6", "--random-range-ratio", "0.5", "--random-prefix-len", "4",
+                  "--num-prompts", "4", "--ignore-eos", "--warmup-requests", "0", "--result-json", str(out)) == 0
+    res = json.loads(out.read_text())
+    expected = RandomDataset(24, 6, 0.5, 4).prompts(4, vocab_size=10**9, seed=0)  # (lengths only: vocab differs)
+    assert [r["input_tokens"] for r in res["per_request"]] == [len(p.token_ids) for p in expected]
+    assert [r["output_tokens"] for r in res["per_request"]] == [p.max_tokens for p in expected]
+    assert res["random_dataset"] == {"input_len": 24, "output_len": 6, "range_ratio": 0.5, "prefix_len": 4}
+    assert res["chat"] is False and res["failed"] == 0
 
 
 @pytest.mark.slow
