@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.batching import WorkItem
+from specdec.errors import SpecDecError
 from specdec.models import CausalLM, ModelSpec, Row
 from specdec.proposals import Proposal, ProposalBuilder, ProposalFormat
 from specdec.sampling import STREAM_DRAFT, SamplingParams, position_uniforms, process_logits
@@ -165,6 +166,15 @@ class DrafterEngine(Drafter):
             synced = time.perf_counter()
             device_ms = timer.ms()
             for (r, _), token in zip(drafting, tokens):
+                if not 0 <= token < self.lm.vocab_size:
+                    # A distribution without mass (NaN) samples id V: this request alone fails (the
+                    # next forward would embed V and fail the whole batch); the checks refuse the
+                    # parameters known to make one.
+                    r.pending = []
+                    pending_items.pop(id(r)).future.set_exception(SpecDecError(
+                        f"session {r.session.session_id}: the processed draft distribution had no token with "
+                        "probability > 0"))
+                    continue
                 r.builder.commit(token)
                 r.drafts.append(token)
                 # Every draft but the last is appended, so the next step drafts after it.
@@ -179,7 +189,7 @@ class DrafterEngine(Drafter):
                 r.steps[3] += step_tokens
                 r.steps[4] += device_ms
             for r, _ in rows:
-                if not r.pending:
+                if not r.pending and id(r) in pending_items:
                     self._settle(pending_items.pop(id(r)), r, running)
             end = time.perf_counter()
             self.phases.step((prepared - t_step) * 1e3, device_ms, (end - synced) * 1e3, (end - t_step) * 1e3)
@@ -301,7 +311,8 @@ class DrafterEngine(Drafter):
         """The probe's logits after d_γ give the bonus candidates: the drafter's top-`fanout`."""
         params, prompt_length, fmt, _ = job.key
         probs = process_logits(logits, params, self.token_context(job.prefix + [job.last_draft], prompt_length))[0]
-        top_p, top_i = torch.topk(probs, min(job.fanout, probs.shape[-1]))
+        # No more candidates than branch slots: fanout 2**31 - 1 made a branch (a prefix copy) per id.
+        top_p, top_i = torch.topk(probs, min(job.fanout, self.speculation.max_branch_slots, probs.shape[-1]))
         candidates = [int(i) for p, i in zip(top_p.tolist(), top_i.tolist()) if p > 0]
         probe = job.branches[0] if job.branches else None  # empty if the session closed meanwhile
         if probe is not None:

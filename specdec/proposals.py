@@ -11,6 +11,7 @@ samples from exactly that form:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,7 +66,9 @@ def _from_bytes(data: bytes, dtype: str, shape: tuple[int, ...], field: str) -> 
     if torch_dtype is None:
         raise InvalidArgument(f"{field}.dtype", f"unsupported dtype {dtype!r}")
     elem = torch.finfo(torch_dtype).bits // 8 if torch_dtype.is_floating_point else 4
-    count = int(np.prod(shape)) if shape else 0
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"{field}.shape", f"dimensions must be >= 0, got {list(shape)}")
+    count = math.prod(shape) if shape else 0  # Python ints: np.prod wrapped [4, 2**62] to 0 elements
     if len(data) != count * elem:
         raise InvalidArgument(field, f"has {len(data)} bytes, expected {count * elem} for shape {list(shape)} of {dtype}")
     np_dtype = {torch.float32: "<f4", torch.float16: "<f2", torch.bfloat16: "<i2", torch.int32: "<i4"}[torch_dtype]

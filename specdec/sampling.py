@@ -34,6 +34,9 @@ STREAM_DRAFT = 1
 STREAM_VERIFY = 2
 _FLOAT32_MAX = 3.4028234663852886e38
 INT32_MAX = 2**31 - 1  # top_k, min_tokens and stop token ids travel as int32
+# Penalised logits saturate here: an extreme repetition_penalty (10 / 1e-39) overflowed float32 to
+# inf, whose softmax is NaN. Still dominant (or vanishing) after the smallest temperature.
+LOGIT_BOUND = 1e20
 _MASK64 = (1 << 64) - 1
 
 
@@ -303,6 +306,7 @@ def apply_penalties_and_min_tokens(
         if prompt.numel():
             seen[:, prompt] = True
         penalized = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        penalized = torch.where(logits == -math.inf, logits, penalized.clamp(-LOGIT_BOUND, LOGIT_BOUND))  # masks stay
         logits = torch.where(seen, penalized, logits)
     if params.frequency_penalty:
         logits -= params.frequency_penalty * output_counts

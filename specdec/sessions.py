@@ -223,6 +223,13 @@ class SessionStore:
         while len(self._gone) > 4096:
             self._gone.popitem(last=False)
 
+    def require(self, session_id: str) -> None:
+        """SessionNotFound unless the session exists now: a cheap early answer before costly
+        checks (use() still decides, owner included)."""
+        if session_id not in self:
+            with self._mutex:
+                raise SessionNotFound(self._why_missing(session_id))
+
     def _why_missing(self, session_id: str) -> str:
         why = self._gone.get(session_id)
         if why:
@@ -232,7 +239,19 @@ class SessionStore:
 
 def _unknown(session_id: str) -> str:
     # Also the answer for someone else's session: the same words reveal nothing.
-    return f"unknown session {session_id!r}; open one with OpenSession"
+    return f"unknown session {display_id(session_id)}; open one with OpenSession"
+
+
+SHOWN_ID_CHARS = 64  # the ids this store issues are 32 hex characters
+
+
+def display_id(session_id: str) -> str:
+    """A caller's session id as messages and logs show it: quoted and escaped (a newline in
+    it forged a log line) and cut (a 20 kB id, echoed in the status details, passed gRPC's
+    metadata limit: RESOURCE_EXHAUSTED instead of NOT_FOUND)."""
+    if len(session_id) <= SHOWN_ID_CHARS:
+        return repr(session_id)
+    return f"{session_id[:SHOWN_ID_CHARS]!r}... ({len(session_id)} characters)"
 
 
 def _owns(session: Session, owner: str | None) -> bool:

@@ -96,10 +96,15 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
 # SamplingParams is frozen, so equal wire bytes can share one object. Bounded: cleared when full.
 _SAMPLING_MEMO: dict[bytes, SamplingParams] = {}
 _SAMPLING_MEMO_SIZE = 4096
+# Its keys are the messages: 4,096 of a million stop ids each held the verifier's memory (45 MB a
+# call, refused calls included). Messages past this size are not remembered.
+_SAMPLING_MEMO_KEY_BYTES = 1024
 
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     """Unset fields take vLLM's defaults; invalid values raise InvalidArgument naming the field."""
+    if msg.ByteSize() > _SAMPLING_MEMO_KEY_BYTES:  # long id lists: built per call, never kept
+        return _sampling_from_pb(msg)
     key = msg.SerializeToString(deterministic=True)
     params = _SAMPLING_MEMO.get(key)
     if params is None:

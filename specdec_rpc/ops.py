@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from specdec.serving import PHASE_BUCKETS_MS, PHASES
+from specdec.sessions import display_id
 from specdec_rpc import specdec_pb2 as pb
 
 log = logging.getLogger("specdec.rpc")
@@ -417,7 +418,8 @@ class ObservingInterceptor(grpc.ServerInterceptor):
         if code != grpc.StatusCode.OK:
             level = logging.WARNING if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else logging.INFO
         if log.isEnabledFor(level):
-            session = getattr(request, "session_id", "") or getattr(reply, "session_id", "") or "-"
+            session = getattr(request, "session_id", "") or getattr(reply, "session_id", "")
+            session = display_id(session) if session else "-"
             log.log(level, "rpc role=%s method=%s code=%s ms=%.1f session=%s peer=%s%s", self.role, name, code.name,
                     elapsed * 1000, session, context.peer(),
                     f" details={context.details()!r}" if code != grpc.StatusCode.OK else "")

@@ -311,3 +311,82 @@ def test_a_timed_out_call_leaves_its_session_consistent(verifier_proc):
         for s in (sid, alone):
             stub.CloseSession(pb.CloseSessionRequest(session_id=s))
         assert stub.GetStats(pb.StatsRequest()).live_sessions <= live_before  # (older leftovers may expire)
+
+
+def test_a_distribution_without_mass_fails_its_own_request_alone(target_lm, monkeypatch):
+    """Behind the request checks (which refuse the parameters known to leave no token): a
+    processed distribution that is NaN sampled id V. The verifier answered it as a token and
+    the drafter appended it, so its next forward failed every request of the batch. Now that
+    request alone fails, its session is cropped back, and its batch mates are answered. The NaN
+    is injected into one request's processing (min_tokens routes it through its own call)."""
+    import drafter_service.engine as drafter_module
+    import verifier_service.engine as verifier_module
+    from drafter_service.engine import DrafterEngine
+    from specdec.errors import SpecDecError
+    from specdec.serving import EngineConfig
+    from verifier_service.engine import VerifyCall, VerifierEngine
+
+    poisoned = SamplingParams(temperature=1.0, seed=666, min_tokens=1)
+    for module in (drafter_module, verifier_module):
+        real = module.process_logits
+
+        def nan_for_poisoned(logits, params, *args, _real=real, **kwargs):
+            out = _real(logits, params, *args, **kwargs)
+            return torch.full_like(out, float("nan")) if params == poisoned else out
+
+        monkeypatch.setattr(module, "process_logits", nan_for_poisoned)
+    ids = target_lm.tokenizer(PROMPTS[0], add_special_tokens=False).input_ids
+    good = SamplingParams(temperature=1.0, seed=1)
+    drafter = DrafterEngine(target_lm.spec, EngineConfig(speculation_slots=0, max_draft_tokens=4), lm=target_lm)
+    try:
+        long, bad, fine = (drafter.open_session() for _ in range(3))
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            # The long prefill holds the engine while the other two queue: they share a batch.
+            first = pool.submit(drafter.draft, long, 0, ids * 40, 2, good)
+            time.sleep(0.05)
+            outs = [pool.submit(drafter.draft, sid, 0, ids, 4, p) for sid, p in ((bad, poisoned), (fine, good))]
+            assert len(first.result().draft_token_ids) == 2 and len(outs[1].result().draft_token_ids) == 4
+            with pytest.raises(SpecDecError, match="no token with probability > 0"):
+                outs[0].result()
+        assert drafter.sessions._sessions[bad].length == 0  # cropped back to its truncate_to
+        assert len(drafter.draft(bad, 0, ids, 3, good).draft_token_ids) == 3
+    finally:
+        drafter.shutdown()
+    verifier = VerifierEngine(target_lm.spec, EngineConfig(speculation_slots=0), lm=target_lm)
+    try:
+        bad, fine = verifier.open_session(), verifier.open_session()
+        outs = verifier.verify_batch([VerifyCall(bad, 0, ids, [], None, poisoned),
+                                      VerifyCall(fine, 0, ids, [], None, good)])
+        assert isinstance(outs[0], SpecDecError) and "no token with probability > 0" in str(outs[0])
+        assert outs[1].kv_length == len(ids) and 0 <= outs[1].output_token_ids[0] < target_lm.vocab_size
+        assert verifier.sessions._sessions[bad].length == 0
+    finally:
+        verifier.shutdown()
+
+
+def test_an_unknown_session_is_refused_before_its_proposal_is_decoded(target_lm, monkeypatch):
+    """Decoding makes a dense [K, V] q of any proposal: 5,000 VerifyBatch entries of 182 bytes
+    each (a sparse top-1 proposal, an unknown session) cost the verifier 16.7 s."""
+    import verifier_service.engine as verifier_module
+    from specdec.errors import SessionNotFound
+    from specdec.proposals import SPARSE, ProposalBuilder, ProposalFormat
+    from specdec.serving import EngineConfig
+    from verifier_service.engine import VerifyCall, VerifierEngine
+
+    decoded = []
+    real = verifier_module.decode_proposal
+    monkeypatch.setattr(verifier_module, "decode_proposal", lambda *a, **k: decoded.append(1) or real(*a, **k))
+    vocab = target_lm.vocab_size
+    builder = ProposalBuilder(ProposalFormat(kind=SPARSE, top_n=1), vocab)
+    draft = [builder.sample(torch.full((vocab,), 1.0 / vocab), 0.5, 7)]
+    proposal = builder.build()
+    verifier = VerifierEngine(target_lm.spec, EngineConfig(speculation_slots=0), lm=target_lm)
+    try:
+        sampled = SamplingParams(temperature=1.0, seed=1)
+        outs = verifier.verify_batch([VerifyCall("no-such-session", 0, [1, 2], draft, proposal, sampled)] * 50)
+        assert all(isinstance(o, SessionNotFound) for o in outs) and not decoded
+        sid = verifier.open_session()
+        assert verifier.verify_batch([VerifyCall(sid, 0, [1, 2], draft, proposal, sampled)])[0].kv_length >= 2
+        assert decoded  # a live session's proposal is decoded as before
+    finally:
+        verifier.shutdown()

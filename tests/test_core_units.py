@@ -161,6 +161,10 @@ def test_malformed_proposal_bytes_are_invalid_argument():
         decode_proposal(good, 2, 4)
     with pytest.raises(InvalidArgument, match=r"\[1, V\] with 1 <= V <= 3"):
         decode_proposal(good, 1, 3)  # wider than the verifier's head
+    for shape in ((4, 2**62), (16, 2**60), (2, 2**63 - 1), (1, -4)):  # np.prod wrapped the first two to 0 elements
+        empty = type(good)(kind=good.kind, dtype=good.dtype, shape=shape, probs=b"")
+        with pytest.raises(InvalidArgument, match="proposal"):
+            decode_proposal(empty, shape[0], 4)
 
 
 def test_a_dense_proposal_of_a_smaller_head_gives_the_ids_past_it_probability_zero():

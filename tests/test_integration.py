@@ -110,6 +110,18 @@ def _code_and_details(call):
     return err.value.code(), err.value.details()
 
 
+def test_an_unknown_session_id_is_echoed_escaped_and_cut(drafter_stub, verifier_stub):
+    """A 30 kB id echoed whole in the details passed gRPC's metadata limit (RESOURCE_EXHAUSTED
+    instead of NOT_FOUND); a newline in one forged a line of the server's log."""
+    forged = "abc\nts=0 level=WARNING logger=specdec.rpc FORGED"
+    for sid in ("x" * 30_000, forged):
+        for call in (lambda: verifier_stub.Verify(pb.VerifyRequest(session_id=sid, append_token_ids=[1], sampling=GREEDY)),
+                     lambda: drafter_stub.CloseSession(pb.CloseSessionRequest(session_id=sid))):
+            code, details = _code_and_details(call)
+            assert code == grpc.StatusCode.NOT_FOUND and "unknown session" in details
+            assert len(details) < 200 and "\n" not in details
+
+
 def test_bad_input_gets_clear_status_codes_and_the_session_survives(drafter_stub, verifier_stub):
     code, details = _code_and_details(lambda: verifier_stub.Verify(
         pb.VerifyRequest(session_id="no-such-session", truncate_to=0, append_token_ids=[1], sampling=GREEDY)))

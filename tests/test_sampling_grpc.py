@@ -39,6 +39,8 @@ def stubs(verifier_proc, int8_drafter_proc):
         ("stop_token_ids", pb.SamplingParams(stop_token_ids=[49152])),
         ("temperature", pb.SamplingParams(temperature=float("nan"))),
         ("min_p", pb.SamplingParams(min_p=1.5)),
+        # every id a stop id: min_tokens would leave no token (a NaN distribution, which sampled id V)
+        ("stop_token_ids", pb.SamplingParams(min_tokens=2, stop_token_ids=range(49152))),
     ],
 )
 def test_invalid_sampling_parameter_is_invalid_argument_naming_it(stubs, field, sampling):
@@ -64,6 +66,14 @@ def test_one_params_object_per_sampling_message_and_rejections_are_never_remembe
     for _ in range(2):  # raised each time, never stored
         with pytest.raises(InvalidArgument, match="min_p"):
             sampling_from_pb(pb.SamplingParams(min_p=1.5))
+    # A long id list is built per call, never kept: the memo's keys are the messages themselves
+    # (4,096 calls of a million stop ids each grew a verifier by gigabytes).
+    from specdec_rpc import adapters
+
+    before = len(adapters._SAMPLING_MEMO)
+    long = pb.SamplingParams(stop_token_ids=range(1000))
+    assert sampling_from_pb(long) == sampling_from_pb(long) and sampling_from_pb(long) is not sampling_from_pb(long)
+    assert len(adapters._SAMPLING_MEMO) == before
 
 
 def test_a_tiny_positive_temperature_is_raised_to_vllms_floor_on_both_services(stubs):
@@ -289,3 +299,26 @@ def test_token_filters_the_verifier_cannot_apply_are_invalid_argument(stubs, int
         with pytest.raises(grpc.RpcError) as err:
             call()
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "allowed_token_ids" in err.value.details()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_extreme_repetition_penalty_saturates_instead_of_overflowing(stubs, int8_client, temperature):
+    """repetition_penalty 1e-39 is > 0, hence valid, and divided a seen token's logit into
+    float32's inf: softmax gave NaN, the verifier emitted id V (its logprobs failed INTERNAL)
+    and the drafter failed. Penalised logits now saturate: the seen tokens dominate."""
+    drafter, verifier = stubs
+    vocab = int8_client.verifier_info.vocab_size
+    ids = int8_client.encode_prompt("Why is the sky blue?")
+    sampling = pb.SamplingParams(temperature=temperature, seed=1, repetition_penalty=1e-39, logprobs=2)
+    d, v = drafter.OpenSession(pb.OpenSessionRequest()).session_id, verifier.OpenSession(pb.OpenSessionRequest()).session_id
+    try:
+        drafts = drafter.Draft(pb.DraftRequest(session_id=d, append_token_ids=ids, num_draft_tokens=3, sampling=sampling,
+                                               prompt_length=len(ids)))
+        out = verifier.Verify(pb.VerifyRequest(session_id=v, append_token_ids=ids, sampling=sampling,
+                                               prompt_length=len(ids)))
+    finally:
+        drafter.CloseSession(pb.CloseSessionRequest(session_id=d))
+        verifier.CloseSession(pb.CloseSessionRequest(session_id=v))
+    assert all(0 <= t < vocab for t in [*drafts.draft_token_ids, *out.output_token_ids])
+    assert out.output_token_ids[0] in ids  # a seen token: its logit is now the largest there is
+    assert all(lp.logprob == lp.logprob for lp in out.logprobs)  # not NaN

@@ -270,6 +270,20 @@ def test_engine_cache_is_off_without_fanout_and_closing_drops_branches(engines):
     assert not cached.speculation.pending(sid)
 
 
+def test_a_huge_fanout_starts_no_more_branches_than_the_cache_has_slots(engines):
+    """fanout 2**31 - 1 at temperature 1 made every id of the vocabulary a candidate, each
+    branch a copy of the prefix: 600 MB for one Draft of a 2,000-token session."""
+    from specdec.sampling import SamplingParams
+
+    _, cached = engines
+    sid = cached.open_session()
+    try:
+        cached.draft(sid, 0, list(range(100, 140)), 3, SamplingParams(temperature=1.0, seed=2), fanout=2**31 - 1)
+        assert 1 <= len(_wait_candidates(cached, sid)) <= cached.speculation.max_branch_slots
+    finally:
+        cached.close_session(sid)
+
+
 def test_a_session_closed_while_its_draft_runs_leaves_no_job(engines, monkeypatch):
     """CloseSession landing while the session's Draft is in the engine: the removal found no
     job to drop, and the job the Draft then planned held the session's KV slot until some

@@ -12,7 +12,7 @@ import torch
 
 from specdec import triton_verification
 from specdec.batching import WorkItem
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, SpecDecError
 from specdec.models import Row
 from specdec.proposals import IDS_ONLY, Proposal, decode_proposal
 from specdec.sampling import (
@@ -196,6 +196,9 @@ class VerifierEngine(ServingModel):
             proposal = call.proposal
             if proposal is None:
                 raise InvalidArgument("proposal", "sampled verification of drafts needs the proposal they were drawn from")
+            # Before the decode, which makes a [K, V] q of any proposal: 182 bytes of a sparse one
+            # for an unknown session cost the server 3 ms each, for nothing.
+            self.sessions.require(call.session_id)
             q = decode_proposal(proposal, k, self.lm.vocab_size)
             if proposal.kind == IDS_ONLY and proposal.shape != (k,):
                 raise InvalidArgument("proposal.shape", f"ids-only proposals are [{k}], got {list(proposal.shape)}")
@@ -415,6 +418,11 @@ class VerifierEngine(ServingModel):
         session = r.session
         k = len(r.draft_token_ids)
         emitted = row[: n_acc + 1]
+        if not all(0 <= t < self.lm.vocab_size for t in emitted):
+            # The sampler's answer to a distribution without mass (NaN): the request checks refuse
+            # the parameters known to make one; should another appear, this request alone fails.
+            raise SpecDecError(f"session {session.session_id}: the processed target distribution had no token "
+                               "with probability > 0")
         logprobs = None
         if r.params.logprobs is not None:
             logprobs = [TokenLogprob(*x) for x in top_logprobs(p[: n_acc + 1], emitted, r.params.logprobs)]
