@@ -69,6 +69,10 @@ class _ClientGone(Exception):
     pass
 
 
+class _Closing(Exception):
+    pass
+
+
 def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastAPI:
     upstream = upstream or Upstream(config.upstream)
     metrics = GatewayMetrics()
@@ -88,11 +92,18 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
     app.state.upstream, app.state.metrics = upstream, metrics
     streams: set[asyncio.Queue] = set()  # the arrival queues of the open streams (_sse)
 
+    closing = asyncio.Event()  # set with `ending` just before a shutdown's grace runs out
+    ending: list[APIError] = []
+
     def end_streams(message: str) -> int:
-        """End every open stream with an error event (then `data: [DONE]`), e.g. just before a
-        shutdown's grace runs out, when the server would otherwise cut them mid-body."""
+        """End every open stream with an error event (then `data: [DONE]`), and answer every
+        other request still running 503, just before a shutdown's grace runs out: the server
+        would otherwise cut the streams mid-body and answer the rest with a plain-text 500."""
+        error = APIError(503, message, type="service_unavailable", code="shutting_down")
+        ending.append(error)
+        closing.set()
         for arrived in list(streams):
-            arrived.put_nowait((0, APIError(503, message, type="service_unavailable", code="shutting_down")))
+            arrived.put_nowait((0, error))
         return len(streams)
 
     app.state.end_streams = end_streams
@@ -192,7 +203,7 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
                 runs.append(_Choice(upstream.start(ids, params), metrics.timer(endpoint), len(ids) if first else 0))
             # Every choice's first round before the answer: a verifier that is down is a 503,
             # not a 200 stream with an error in it.
-            firsts = await _race(request, asyncio.gather(*(_next(r.gen, r.timer) for r in runs)))
+            firsts = await _race(request, asyncio.gather(*(_next(r.gen, r.timer) for r in runs)), closing)
             if any(first is None for first in firsts):
                 raise APIError(500, "the generation ended without a result", type="server_error")
             if body.stream:
@@ -201,11 +212,16 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
                 return StreamingResponse(_sse(runs, firsts, builder, streams), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                          background=BackgroundTask(_cancel, runs))
-            results = await _race(request, asyncio.gather(*(_rest(r.gen, f, r.timer) for r, f in zip(runs, firsts))))
+            results = await _race(request, asyncio.gather(*(_rest(r.gen, f, r.timer) for r, f in zip(runs, firsts))),
+                                  closing)
         except _ClientGone:
             _cancel(runs)
             _finish(runs, builder, None, "abort")
             return Response(status_code=CLIENT_CLOSED)
+        except _Closing:
+            _cancel(runs)
+            _finish(runs, builder, None, "abort")
+            raise ending[0] from None
         except BaseException as exc:
             _cancel(runs)
             if runs:
@@ -269,21 +285,25 @@ async def _rest(gen: Generation, chunk: StreamChunk, timer: RequestTimer) -> Gen
     return chunk.result
 
 
-async def _race(request: Request, awaitable) -> object:
-    """`awaitable`'s result, or _ClientGone as soon as the HTTP client disconnects."""
+async def _race(request: Request, awaitable, closing: asyncio.Event | None = None) -> object:
+    """`awaitable`'s result, or _ClientGone as soon as the HTTP client disconnects (_Closing
+    once `closing` is set: the gateway is shutting down)."""
     task = asyncio.ensure_future(awaitable)
     watch = asyncio.ensure_future(_disconnected(request))
+    shut = asyncio.ensure_future(closing.wait()) if closing is not None else None
     try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watch} | ({shut} if shut else set()), return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
         _abandon(task)
         raise
     finally:
         watch.cancel()
+        if shut is not None:
+            shut.cancel()
     if task in done:
         return task.result()
     _abandon(task)
-    raise _ClientGone
+    raise _Closing if shut in done else _ClientGone
 
 
 def _abandon(task: asyncio.Future) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import importlib.metadata
 import json
 import statistics
@@ -261,22 +262,35 @@ def test_a_stream_open_at_shutdown_ends_with_an_error_event_before_the_grace_run
         model = httpx.get(f"http://{gw.address}/v1/models", timeout=30).json()["data"][0]["id"]
         body = {"model": model, "prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "temperature": 0,
                 "stream": True}
-        events = []
-        with httpx.stream("POST", f"http://{gw.address}/v1/completions", json=body, timeout=60) as streamed:
-            for line in streamed.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    if len(events) == 3:
-                        start = time.monotonic()
-                        gw.proc.terminate()
-        ended = time.monotonic() - start
+        # A request without a stream, running at the shutdown too: it got a plain-text 500 when
+        # the server cancelled it at the grace's end.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            whole = pool.submit(httpx.post, f"http://{gw.address}/v1/completions", json={**body, "stream": False},
+                                timeout=60)
+            events = _stream_until_shutdown(gw, body)
+            reply = whole.result()
+        ended = time.monotonic() - events.pop()
         assert gw.proc.wait(timeout=30) in (0, -15)  # uvicorn re-raises the signal once it has shut down
+    assert reply.status_code == 503 and reply.json()["error"]["code"] == "shutting_down", reply.text
     assert events[-1] == "[DONE]", events[-3:]
     error = json.loads(events[-2])["error"]
     assert error["code"] == "shutting_down" and "shutting down" in error["message"], error
     assert 1.0 < ended < 2.0, ended  # at the grace less its margin, not at once and not past it
     assert not any("Traceback" in line for line in gw.output), gw.output[-30:]
     wait_for(lambda: _live_sessions(verifier_proc, drafter_proc) == before, 10, "the stream's sessions to close")
+
+
+def _stream_until_shutdown(gw, body: dict) -> list:
+    """The stream's events, SIGTERM sent after the third; the last item is when it was sent."""
+    events, start = [], None
+    with httpx.stream("POST", f"http://{gw.address}/v1/completions", json=body, timeout=60) as streamed:
+        for line in streamed.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == 3:
+                    start = time.monotonic()
+                    gw.proc.terminate()
+    return [*events, start]
 
 
 def _strict_json(text: str):
