@@ -350,7 +350,8 @@ def _add_gateway_parser(sub) -> None:
     _apply_env_defaults(gw, "gateway", shared=False)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(bench: bool = True) -> argparse.ArgumentParser:
+    """bench=False leaves out `specdec bench` (whose engine benchmarks import torch)."""
     parser = _Parser(prog="specdec", description="Distributed speculative decoding over gRPC")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for role in ("drafter", "verifier"):
@@ -420,9 +421,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "--divergence for, in [0, 1], e.g. 0.3, 0.6 or 0.9 (a search of 3-6 forwards of the "
                            "later layers on --device)")
 
-    from bench.args import add_bench_parser  # lazy: the client side imports grpc, the core does not
+    if bench:
+        from bench.args import add_bench_parser  # lazy: the client side imports grpc, the core does not
 
-    add_bench_parser(sub)
+        add_bench_parser(sub)
     return parser
 
 
@@ -446,7 +448,9 @@ def _random_pair(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    # `specdec health` is a container's healthcheck, run every few seconds beside a busy service:
+    # it imports no torch (7-13 s on a loaded 2-core host, past compose's 5 s healthcheck timeout).
+    parser = build_parser(bench=(sys.argv[1:] if argv is None else argv)[:1] != ["health"])
     args = parser.parse_args(argv)
     try:
         if args.command in ("drafter", "verifier"):

@@ -4,7 +4,6 @@ Nothing in this package imports grpc; the services are thin adapters around it.
 """
 
 from specdec.errors import InvalidArgument, OutOfRange, ResourceExhausted, SessionBusy, SessionNotFound, SpecDecError
-from specdec.sampling import SamplingParams
 
 __all__ = [
     "InvalidArgument",
@@ -15,3 +14,13 @@ __all__ = [
     "SessionNotFound",
     "SpecDecError",
 ]
+
+
+def __getattr__(name: str):
+    # torch on first use only: `specdec health` (a container's healthcheck, every few seconds)
+    # imports this package and no model, and importing torch took 7-13 s on a busy 2-core host.
+    if name == "SamplingParams":
+        from specdec.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'specdec' has no attribute {name!r}")

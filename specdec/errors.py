@@ -29,3 +29,15 @@ class SessionBusy(SpecDecError):
 
 class ResourceExhausted(SpecDecError):
     """No room for another session or for the requested length (RESOURCE_EXHAUSTED)."""
+
+
+SHOWN_ID_CHARS = 64  # the ids the session store issues are 32 hex characters
+
+
+def display_id(session_id: str) -> str:
+    """A caller's session id as messages and logs show it: quoted and escaped (a newline in
+    it forged a log line) and cut (a 20 kB id, echoed in the status details, passed gRPC's
+    metadata limit: RESOURCE_EXHAUSTED instead of NOT_FOUND)."""
+    if len(session_id) <= SHOWN_ID_CHARS:
+        return repr(session_id)
+    return f"{session_id[:SHOWN_ID_CHARS]!r}... ({len(session_id)} characters)"

@@ -101,6 +101,8 @@ class StepPhases:
     step). Written by the engine thread only; read by the metrics scrape (a torn read of a
     bucket is one observation off, never a crash)."""
 
+    bounds_ms = PHASE_BUCKETS_MS  # the histograms' upper bounds; `counts` has one more (+Inf)
+
     def __init__(self) -> None:
         self.counts = {p: [0] * (len(PHASE_BUCKETS_MS) + 1) for p in PHASES}  # last: +Inf
         self.sums_ms = dict.fromkeys(PHASES, 0.0)

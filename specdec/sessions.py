@@ -27,7 +27,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from specdec.errors import InvalidArgument, OutOfRange, ResourceExhausted, SessionBusy, SessionNotFound
+from specdec.errors import (
+    InvalidArgument, OutOfRange, ResourceExhausted, SessionBusy, SessionNotFound, display_id,
+)
 from specdec.sampling import SamplingParams, random_seed
 
 log = logging.getLogger(__name__)
@@ -240,18 +242,6 @@ class SessionStore:
 def _unknown(session_id: str) -> str:
     # Also the answer for someone else's session: the same words reveal nothing.
     return f"unknown session {display_id(session_id)}; open one with OpenSession"
-
-
-SHOWN_ID_CHARS = 64  # the ids this store issues are 32 hex characters
-
-
-def display_id(session_id: str) -> str:
-    """A caller's session id as messages and logs show it: quoted and escaped (a newline in
-    it forged a log line) and cut (a 20 kB id, echoed in the status details, passed gRPC's
-    metadata limit: RESOURCE_EXHAUSTED instead of NOT_FOUND)."""
-    if len(session_id) <= SHOWN_ID_CHARS:
-        return repr(session_id)
-    return f"{session_id[:SHOWN_ID_CHARS]!r}... ({len(session_id)} characters)"
 
 
 def _owns(session: Session, owner: str | None) -> bool:

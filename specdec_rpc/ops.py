@@ -25,8 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from specdec.serving import PHASE_BUCKETS_MS, PHASES
-from specdec.sessions import display_id
+from specdec.errors import display_id
 from specdec_rpc import specdec_pb2 as pb
 
 log = logging.getLogger("specdec.rpc")
@@ -504,11 +503,11 @@ class EngineCollector:
             yield hist
         phases = getattr(self.engine, "phases", None)
         if phases is not None:  # where engine time goes, per step (queue: per request)
-            for phase in PHASES:
+            for phase in phases.counts:
                 hist = HistogramMetricFamily(f"specdec_engine_{phase}_seconds", _PHASE_DOC[phase], labels=["role"])
                 counts, total = list(phases.counts[phase]), 0
                 buckets = []
-                for le, n in zip([*PHASE_BUCKETS_MS, None], counts):
+                for le, n in zip([*phases.bounds_ms, None], counts):
                     total += n
                     buckets.append(("+Inf" if le is None else str(le / 1e3), total))
                 hist.add_metric([role], buckets, sum_value=phases.sums_ms[phase] / 1e3)

@@ -153,6 +153,15 @@ def test_compose_healthcheck_is_a_grpc_health_check_of_the_service(compose, monk
     assert compose["services"][role]["healthcheck"]["start_period"]  # first start converts the model
 
 
+def test_the_healthcheck_command_imports_no_torch():
+    """Run every few seconds in the container of a busy service, within compose's 5 s timeout:
+    importing torch alone took 7-13 s on a loaded 2-core host."""
+    code = ("import sys, cli; rc = cli.main(['health', '--address', '127.0.0.1:1', '--timeout-s', '0.2']); "
+            "print(rc, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["1", "False", "False"], (out.stdout, out.stderr)
+
+
 @pytest.mark.parametrize("role,gpu", [("drafter", "${DRAFTER_GPU:-0}"), ("verifier", "${VERIFIER_GPU:-1}")])
 def test_compose_reserves_one_gpu_per_service(compose, role, gpu):
     devices = compose["services"][role]["deploy"]["resources"]["reservations"]["devices"]
