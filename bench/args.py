@@ -104,8 +104,9 @@ def _add_dataset_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: 
 
 
 def _add_workload_args(p: argparse.ArgumentParser, verifier_required: bool = True) -> None:
-    from specdec.argtypes import AddressList
+    from specdec.argtypes import AddressList, add_client_security_args
 
+    add_client_security_args(p)  # the services' TLS and token; --tls-ca is also the HTTPS CA of --backend openai
     p.add_argument("--drafter", action=AddressList,
                    help="HOST:PORT; repeat it or separate by commas for a pool (not needed with --target-only)")
     p.add_argument("--verifier", action=AddressList, required=verifier_required,
@@ -211,6 +212,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     v.add_argument("--empty-calls", type=int, default=500,
                    help="unary health checks timed first: what a gRPC call alone costs on this host (0 = skip)")
     v.add_argument("--json", default=None)
+    from specdec.argtypes import add_client_security_args
+
+    add_client_security_args(v)
 
     from bench import engine as bench_engine, sampler as bench_sampler  # torch is imported by now anyway
 
@@ -229,7 +233,11 @@ def _workload(args: argparse.Namespace, target_only: bool):
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    from specdec_rpc.ops import TLSFiles, read_token
+
     return WorkloadConfig(
+        tls=TLSFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca),
+        auth_token=read_token(args.auth_token_file) if args.auth_token_file else None,
         verifier=args.verifier, drafter=args.drafter, dataset=args.dataset, num_prompts=args.num_prompts,
         random_dataset=RandomDataset(args.random_input_len, args.random_output_len, args.random_range_ratio,
                                      args.random_prefix_len),
@@ -294,7 +302,8 @@ def _serve_openai(args: argparse.Namespace) -> int:
     if args.verifier or args.drafter or args.target_only or args.baseline_json:
         raise ValueError("--backend openai measures the server at --base-url: drop --verifier, --drafter, "
                          "--target-only and --baseline-json")
-    target = OpenAITarget(base_url=args.base_url, endpoint=args.endpoint, model=args.model, api_key=args.api_key)
+    target = OpenAITarget(base_url=args.base_url, endpoint=args.endpoint, model=args.model, api_key=args.api_key,
+                          tls_ca=args.tls_ca)
     result = run_serve_openai(_workload(args, False), target)
     print(serve.format_result(result))
     if args.result_json:

@@ -60,7 +60,8 @@ def run_compare(base: WorkloadConfig, variants: list[str], repeats: int = 1) -> 
     runs: dict[str, list[dict]] = {name: [] for name, _ in parsed}
     with SpeculativeClient(base.verifier, drafter=base.drafter, timeout_s=_call_timeout(base),
                            recovery_timeout_s=_call_timeout(base),
-                           batch_verify=True) as client:  # as serve and sweep send their steps (and the gateway)
+                           batch_verify=True,  # as serve and sweep send their steps (and the gateway)
+                           **base.client_security()) as client:
         for rep in range(repeats):
             shift = rep % len(parsed)
             this = {name: run_serve(base.replace(**changes), client)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import time
 from dataclasses import dataclass
 
@@ -51,6 +52,7 @@ class OpenAITarget:
     endpoint: str | None = None  # default: chat completions when the workload is chat, else completions
     model: str | None = None  # default: the first of GET /v1/models
     api_key: str | None = None
+    tls_ca: str | None = None  # the CA bundle that signed an HTTPS server's certificate (default: system roots)
 
     @property
     def root(self) -> str:
@@ -70,7 +72,8 @@ class OpenAIServer:
         headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
         connections = max(1, config.max_concurrency or config.num_prompts)
         # The read timeout bounds the wait for the next chunk, like the gRPC backend's per-call deadline.
-        self.http = httpx.Client(base_url=target.root, headers=headers,
+        verify = ssl.create_default_context(cafile=target.tls_ca) if target.tls_ca else True
+        self.http = httpx.Client(base_url=target.root, headers=headers, verify=verify,
                                  timeout=httpx.Timeout(config.timeout_s, connect=10.0),
                                  limits=httpx.Limits(max_connections=connections,
                                                      max_keepalive_connections=connections))

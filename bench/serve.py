@@ -78,6 +78,7 @@ from specdec.sampling import SamplingParams, mix64
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
 from specdec_rpc.adapters import CHANNEL_OPTIONS
+from specdec_rpc.ops import TLSFiles, open_channel
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,12 @@ class WorkloadConfig:
     percentile_metrics: tuple[str, ...] = LATENCY_METRICS
     warmup_requests: int = 1
     show_progress: bool = True
+    tls: TLSFiles = TLSFiles()  # the services' TLS (any file: TLS on) and bearer token
+    auth_token: str | None = None
+
+    def client_security(self) -> dict:
+        """SpeculativeClient's keyword arguments for `tls` and `auth_token`."""
+        return dict(tls_ca=self.tls.ca, tls_cert=self.tls.cert, tls_key=self.tls.key, auth_token=self.auth_token)
 
     def replace(self, **changes) -> "WorkloadConfig":
         return dataclasses.replace(self, **changes)
@@ -195,10 +202,11 @@ def arrival_offsets(n: int, rate: float, seed: int, burstiness: float = 1.0) -> 
 # ---- server counters ----------------------------------------------------------------
 
 
-def server_stats(address: str, role: str, timeout_s: float = 10.0) -> dict[str, int | str] | None:
+def server_stats(address: str, role: str, timeout_s: float = 10.0, *, tls: TLSFiles = TLSFiles(),
+                 auth_token: str | None = None) -> dict[str, int | str] | None:
     """The service's own counters (GetStats), or None if it cannot tell."""
     stub_class = pb_grpc.DrafterStub if role == "drafter" else pb_grpc.VerifierStub
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    with open_channel(address, tls=tls, auth_token=auth_token, options=CHANNEL_OPTIONS) as channel:
         try:
             msg = stub_class(channel).GetStats(pb.StatsRequest(), timeout=timeout_s)
         except grpc.RpcError as exc:
@@ -207,10 +215,10 @@ def server_stats(address: str, role: str, timeout_s: float = 10.0) -> dict[str, 
     return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
 
 
-def pool_stats(addresses: str, role: str, timeout_s: float = 10.0) -> dict | None:
+def pool_stats(addresses: str, role: str, timeout_s: float = 10.0, **security) -> dict | None:
     """`server_stats` of one server, or summed over a pool (comma-separated addresses) with
-    each server's own under "servers"; None if any of them cannot tell."""
-    per_server = {a: server_stats(a, role, timeout_s) for a in parse_addresses(addresses, role)}
+    each server's own under "servers"; None if any of them cannot tell. security: tls, auth_token."""
+    per_server = {a: server_stats(a, role, timeout_s, **security) for a in parse_addresses(addresses, role)}
     if any(stats is None for stats in per_server.values()):
         return None
     if len(per_server) == 1:
@@ -556,7 +564,8 @@ def run_serve(config: WorkloadConfig, client: SpeculativeClient | None = None,
         client = SpeculativeClient(config.verifier, drafter=None if config.target_only else config.drafter,
                                    num_speculative_tokens=config.num_speculative_tokens,
                                    timeout_s=_call_timeout(config), recovery_timeout_s=_call_timeout(config),
-                                   batch_verify=True)  # one VerifyBatch per step, as the gateway sends them
+                                   batch_verify=True,  # one VerifyBatch per step, as the gateway sends them
+                                   **config.client_security())
     try:
         gamma = _gamma(client, config)
         requests = build_requests(client, config)
@@ -566,9 +575,10 @@ def run_serve(config: WorkloadConfig, client: SpeculativeClient | None = None,
         roles = {"verifier": config.verifier}
         if not config.target_only:  # a target-only run never contacts the drafter
             roles["drafter"] = config.drafter
-        before = {role: pool_stats(addr, role) for role, addr in roles.items()}
+        security = dict(tls=config.tls, auth_token=config.auth_token)
+        before = {role: pool_stats(addr, role, **security) for role, addr in roles.items()}
         records, duration = dispatch(client, requests, config, gamma)
-        after = {role: pool_stats(addr, role) for role, addr in roles.items()}
+        after = {role: pool_stats(addr, role, **security) for role, addr in roles.items()}
     finally:
         if own_client:
             client.close()

@@ -39,6 +39,7 @@ from specdec.errors import SpecDecError
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
 from specdec_rpc.adapters import CHANNEL_OPTIONS
+from specdec_rpc.ops import TLSFiles, open_channel, read_token
 
 
 def _worker(stub, gamma: int, prompt_len: int, vocab: int, max_context: int, seconds: float, seed: int,
@@ -132,11 +133,11 @@ def _batched_worker(stub, concurrency: int, gamma: int, prompt_len: int, vocab: 
                 pass
 
 
-def empty_call_ms(address: str, calls: int) -> float | None:
+def empty_call_ms(address: str, calls: int, **security) -> float | None:
     """p50 ms of a unary grpc.health.v1 Check on `address`, after a warm-up; None for 0 calls."""
     if calls <= 0:
         return None
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    with open_channel(address, options=CHANNEL_OPTIONS, **security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         request = health_pb2.HealthCheckRequest()
         for _ in range(min(calls, 50)):
@@ -150,8 +151,9 @@ def empty_call_ms(address: str, calls: int) -> float | None:
 
 
 def run_level(address: str, concurrency: int, gamma: int, prompt_len: int, seconds: float,
-              front: str = "unary") -> dict:
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+              front: str = "unary", **security) -> dict:
+    """security: open_channel's tls and auth_token (a verifier with TLS or tokens)."""
+    with open_channel(address, options=CHANNEL_OPTIONS, **security) as channel:
         stub = pb_grpc.VerifierStub(channel)
         info = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=60)
         before = stub.GetStats(pb.StatsRequest(), timeout=10)
@@ -243,14 +245,16 @@ def run(args) -> int:
                  "--log-level", "WARNING"]
         service = start_service("verifier", extra, threads=args.service_threads)
         address = service.address
+    security = dict(tls=TLSFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca),
+                    auth_token=read_token(args.auth_token_file) if args.auth_token_file else None)
     try:
-        floor_ms = empty_call_ms(address, args.empty_calls)
+        floor_ms = empty_call_ms(address, args.empty_calls, **security)
         if floor_ms is not None:
             print(f"empty call (grpc.health.v1 Check, {args.empty_calls} calls): p50 {floor_ms:.3f} ms", flush=True)
         rows = []
         for c in levels:
             rows.append(run_level(address, c, args.num_speculative_tokens, args.prompt_len, args.seconds,
-                                  front=args.front))
+                                  front=args.front, **security))
             base = rows[0]["scored_tokens_per_s"]
             r = rows[-1]
             r["speedup_vs_first"] = round(r["scored_tokens_per_s"] / base, 2) if base else None

@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from specdec.argtypes import AddressList, gamma_arg, port, positive  # noqa: F401  (re-exported)
+from specdec.argtypes import AddressList, add_client_security_args, gamma_arg, port, positive  # noqa: F401
 from specdec.errors import SpecDecError
 
 DEFAULT_PORTS = {"drafter": 50051, "verifier": 50052, "gateway": 8000}
@@ -106,14 +106,6 @@ def _add_ops_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", default=None, help="PEM CA bundle: require client certificates it signed (mutual TLS)")
     p.add_argument("--auth-token-file", default=None,
                    help="accepted bearer tokens, one per line; calls without one get UNAUTHENTICATED")
-
-
-def _add_client_security_args(p: argparse.ArgumentParser, auth: bool = True) -> None:
-    p.add_argument("--tls-ca", default=None, help="PEM CA bundle that signed the servers' certificates: use TLS")
-    p.add_argument("--tls-cert", default=None, help="PEM client certificate for mutual TLS (with --tls-key)")
-    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    if auth:
-        p.add_argument("--auth-token-file", default=None, help="send the first token in this file as a bearer token")
 
 
 def _apply_env_defaults(p: argparse.ArgumentParser, role: str, shared: bool = True) -> None:
@@ -339,7 +331,7 @@ def _add_gateway_parser(sub) -> None:
     gw.add_argument("--recovery-timeout-s", type=positive("--recovery-timeout-s", float), default=10.0,
                     help="how long a request waits for a lost verifier to come back, or for the first "
                          "connection while the gateway is still connecting, before it fails with 503")
-    _add_client_security_args(gw)
+    add_client_security_args(gw)
     gw.add_argument("--ssl-certfile", default=None, help="PEM certificate: serve HTTPS (with --ssl-keyfile)")
     gw.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile")
     gw.add_argument("--grace-s", type=positive("--grace-s", float, zero=True), default=5.0,
@@ -373,7 +365,7 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--timeout-s", type=positive("--timeout-s", float), default=60.0,
                    help="deadline of every call")
-    _add_client_security_args(g)
+    add_client_security_args(g)
     _sampling_args(g)
 
     h = sub.add_parser("health", help="gRPC health check of a service: exit 0 when SERVING (container healthchecks); "
@@ -383,7 +375,9 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     target.add_argument("--url", help="HTTP URL of the gateway's health, e.g. http://127.0.0.1:8000/health")
     h.add_argument("--service", default="", help="service name, e.g. specdec.v1.Verifier ('' = the whole server)")
     h.add_argument("--timeout-s", type=positive("--timeout-s", float), default=5.0)
-    _add_client_security_args(h, auth=False)
+    add_client_security_args(h, auth=False)
+    # In a service's container its own SPECDEC_TLS_CA / _CERT / _KEY configure the healthcheck too.
+    _apply_env_defaults(h, "health")
 
     d = sub.add_parser("demo", help="start both services locally, compare speculative and target-only")
     d.add_argument("--prompt", action="append", default=None, help="prompt (repeatable); default: built-in set")

@@ -46,3 +46,12 @@ def gamma_arg(text: str) -> int | str:
     if text == "auto":
         return text
     return positive("--num-speculative-tokens", zero=True)(text)
+
+
+def add_client_security_args(p: argparse.ArgumentParser, auth: bool = True) -> None:
+    """The client side of the services' TLS and bearer tokens (generate, health, bench)."""
+    p.add_argument("--tls-ca", default=None, help="PEM CA bundle that signed the servers' certificates: use TLS")
+    p.add_argument("--tls-cert", default=None, help="PEM client certificate for mutual TLS (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    if auth:
+        p.add_argument("--auth-token-file", default=None, help="send the first token in this file as a bearer token")

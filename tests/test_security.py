@@ -4,6 +4,7 @@ token check (UNAUTHENTICATED); a session is usable only with the token that open
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cli import main
 from client.launcher import start_service
 from client.speculative import SpeculativeClient
 from specdec.sampling import SamplingParams
@@ -190,6 +192,28 @@ def test_generate_cli_takes_tls_and_token_flags(certs, tls_token_verifier):
     assert ok.returncode == 0, ok.stderr
     refused = subprocess.run(base, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
+
+
+def test_bench_takes_tls_and_token_flags(certs, tls_token_verifier, tmp_path, monkeypatch):
+    """The load generator against a secured deployment: bench serve and bench verifier had
+    no TLS or token options (UNAVAILABLE: Socket closed). The service's healthcheck reads
+    the same SPECDEC_TLS_* variables the service does."""
+    (certs / "client-token").write_text(TOKEN_A + "\n")
+    security = ["--tls-ca", str(certs / "ca.pem"), "--auth-token-file", str(certs / "client-token")]
+    out = tmp_path / "serve.json"
+    assert main(["bench", "serve", "--verifier", tls_token_verifier.address, "--target-only", "--num-prompts", "2",
+                 "--max-tokens", "3", "--warmup-requests", "0", "--disable-tqdm", "--result-json", str(out),
+                 *security]) == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 2 and result["server_stats"]["verifier"]["delta"]["requests"] > 0
+    assert main(["bench", "verifier", "--verifier", tls_token_verifier.address, "--concurrency", "1",
+                 "--seconds", "0.5", "--empty-calls", "5", "--front", "stream", *security]) == 0
+    assert main(["bench", "verifier", "--verifier", tls_token_verifier.address, "--concurrency", "1",
+                 "--seconds", "0.5", "--empty-calls", "0", "--tls-ca", str(certs / "ca.pem")]) != 0  # no token
+    monkeypatch.setenv("SPECDEC_TLS_CA", str(certs / "ca.pem"))
+    health = subprocess.run([sys.executable, "-m", "cli", "health", "--address", tls_token_verifier.address],
+                            capture_output=True, text=True, timeout=60)
+    assert (health.returncode, health.stdout.strip()) == (0, "SERVING"), health.stderr
 
 
 def test_health_url_of_an_https_gateway_trusts_the_tls_ca_flag(certs):
