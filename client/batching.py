@@ -177,6 +177,13 @@ class VerifyBatcher:
             return
         if exc is None:
             exc = BatchEntryError(grpc.StatusCode.UNAVAILABLE, f"verifier {self._name} ended the stream")
+        elif exc.code() == grpc.StatusCode.INTERNAL:
+            # A round's own errors come in its entry of a reply; the stream itself ends INTERNAL when
+            # its transport breaks, e.g. a write racing a server that is shutting down ("Internal
+            # error from Core", grpc/grpc#36066). The rounds are retried as after UNAVAILABLE, on the
+            # pool, instead of failing their generations.
+            exc = BatchEntryError(grpc.StatusCode.UNAVAILABLE, f"verifier {self._name}'s stream broke: "
+                                                               f"INTERNAL: {exc.details()}")
         for batch in unanswered:
             for p in batch:
                 _fail(p, exc)

@@ -85,3 +85,24 @@ def test_mailbox_of_a_closed_loop_drops_items_instead_of_raising():
     mailbox.put(items, 1)  # nobody reads: dropped
     mailbox.put(items, 2)
     assert not mailbox._items
+
+
+def test_a_stream_that_breaks_internal_after_answering_fails_its_rounds_as_unavailable():
+    """A VerifyStream ending INTERNAL mid-way is its transport breaking (a write racing a server
+    that shuts down), never a round's own error, which comes in its reply entry. Its unanswered
+    rounds fail UNAVAILABLE, which the round loop recovers from on the pool; INTERNAL failed the
+    generation (seen once in 25 verifier SIGTERMs behind the gateway)."""
+    import grpc
+
+    from client.batching import BatchEntryError, VerifyBatcher, _Pending
+    from specdec_rpc import specdec_pb2 as pb
+
+    async def run() -> BaseException:
+        batcher = VerifyBatcher(stub=None, name="v1")
+        pending = _Pending(pb.VerifyRequest(), 0.0, asyncio.get_running_loop().create_future())
+        batcher._stream_ended([[pending]], BatchEntryError(grpc.StatusCode.INTERNAL, "Internal error from Core"),
+                              answered=True)
+        return pending.future.exception()
+
+    exc = asyncio.run(run())
+    assert exc.code() == grpc.StatusCode.UNAVAILABLE and "INTERNAL: Internal error from Core" in exc.details()
