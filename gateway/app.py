@@ -144,7 +144,8 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        metrics.running.set(upstream.running())
+        if upstream.client is not None or config.served_model_names:  # the model's name is known
+            metrics.running.labels(served_names()[0]).set(upstream.running())
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -200,7 +201,7 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
         runs: list[_Choice] = []
         try:
             for ids, params, first in choices:  # inside the try: a later start's failure cancels the earlier ones
-                runs.append(_Choice(upstream.start(ids, params), metrics.timer(endpoint), len(ids) if first else 0))
+                runs.append(_Choice(upstream.start(ids, params), metrics.timer(model, endpoint), len(ids) if first else 0))
             # Every choice's first round before the answer: a verifier that is down is a 503,
             # not a 200 stream with an error in it.
             firsts = await _race(request, asyncio.gather(*(_next(r.gen, r.timer) for r in runs)), closing)

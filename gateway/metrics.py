@@ -1,9 +1,14 @@
 """Prometheus metrics of the gateway (`GET /metrics`), on a registry of its own.
 
-Names follow vLLM's front end where one exists (e2e latency, TTFT, inter-token latency,
-prompt / generation tokens) under the `specdec_gateway_` prefix; the speculative counters
-(drafts proposed / accepted) make the acceptance rate a PromQL ratio:
-`rate(specdec_gateway_accepted_tokens_total[5m]) / rate(specdec_gateway_draft_tokens_total[5m])`.
+The serving metrics have vLLM's names and its `model_name` label, so a vLLM dashboard reads
+them unchanged: `vllm:e2e_request_latency_seconds`, `vllm:time_to_first_token_seconds`,
+`vllm:inter_token_latency_seconds`, `vllm:time_per_output_token_seconds` (per request),
+`vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, `vllm:num_requests_running`,
+`vllm:request_success_total{finished_reason}` and the speculative counters
+`vllm:spec_decode_num_drafts_total` / `_num_draft_tokens_total` / `_num_accepted_tokens_total`
+(acceptance: `rate(vllm:spec_decode_num_accepted_tokens_total[5m]) /
+rate(vllm:spec_decode_num_draft_tokens_total[5m])`). Ours keep an `endpoint` label beside it;
+`specdec_gateway_requests_total{endpoint,status}` counts HTTP answers.
 """
 
 from __future__ import annotations
@@ -23,30 +28,34 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        per_model = ["model_name", "endpoint"]
         self.requests = Counter("specdec_gateway_requests", "HTTP requests answered, by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
-        self.running = Gauge("specdec_gateway_requests_running", "generations in flight or waiting for a slot",
-                             registry=r)
-        self.e2e = Histogram("specdec_gateway_e2e_request_latency_seconds",
-                             "request arrival to its last token (completed generations)", ["endpoint"],
+        self.running = Gauge("vllm:num_requests_running", "generations in flight or waiting for a slot",
+                             ["model_name"], registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
+                             "request arrival to its last token (completed generations)", per_model,
                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("specdec_gateway_time_to_first_token_seconds",
-                              "request arrival to the first generated token", ["endpoint"],
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("specdec_gateway_inter_token_latency_seconds",
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "request arrival to the first generated token",
+                              per_model, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds",
                              "time per token after the first: a round's gap over the tokens it committed "
-                             "(observed once per token)", ["endpoint"], buckets=_TOKEN_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("specdec_gateway_prompt_tokens", "prompt tokens of generations", registry=r)
-        self.generation_tokens = Counter("specdec_gateway_generation_tokens", "tokens generated", registry=r)
-        self.draft_tokens = Counter("specdec_gateway_draft_tokens", "draft tokens proposed by the drafter",
-                                    registry=r)
-        self.accepted_tokens = Counter("specdec_gateway_accepted_tokens", "draft tokens accepted by the verifier",
-                                       registry=r)
-        self.finished = Counter("specdec_gateway_finished_requests", "generations by finish reason "
-                                "(stop, length, abort: the client went away, error)", ["finish_reason"], registry=r)
+                             "(observed once per token)", per_model, buckets=_TOKEN_BUCKETS, registry=r)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds",
+                              "per completed request: (last token - first token) / (its tokens - 1)", per_model,
+                              buckets=_TOKEN_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "prompt tokens of generations", per_model, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "tokens generated", per_model, registry=r)
+        self.drafts = Counter("vllm:spec_decode_num_drafts", "rounds that verified drafts", per_model, registry=r)
+        self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "draft tokens proposed by the drafter",
+                                    per_model, registry=r)
+        self.accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "draft tokens accepted by the "
+                                       "verifier", per_model, registry=r)
+        self.finished = Counter("vllm:request_success", "generations by finish reason (stop, length, abort: the "
+                                "client went away, error)", ["model_name", "endpoint", "finished_reason"], registry=r)
 
-    def timer(self, endpoint: str) -> "RequestTimer":
-        return RequestTimer(self, endpoint)
+    def timer(self, model: str, endpoint: str) -> "RequestTimer":
+        return RequestTimer(self, model, endpoint)
 
 
 @dataclass
@@ -54,18 +63,21 @@ class RequestTimer:
     """One generation's timings, recorded as its chunks arrive."""
 
     metrics: GatewayMetrics
+    model: str
     endpoint: str
     start: float = field(default_factory=time.perf_counter)
+    first: float | None = None
     last: float | None = None
     tokens: int = 0
 
     def chunk(self, num_tokens: int) -> None:
         now = time.perf_counter()
         if self.last is None:
-            self.metrics.ttft.labels(self.endpoint).observe(now - self.start)
+            self.first = now
+            self.metrics.ttft.labels(self.model, self.endpoint).observe(now - self.start)
         elif num_tokens:
             per_token = (now - self.last) / num_tokens
-            hist = self.metrics.itl.labels(self.endpoint)
+            hist = self.metrics.itl.labels(self.model, self.endpoint)
             for _ in range(num_tokens):
                 hist.observe(per_token)
         self.last = now
@@ -73,11 +85,15 @@ class RequestTimer:
 
     def finish(self, prompt_tokens: int, result: GenerationResult | None, reason: str | None = None) -> None:
         """result: the finished generation; None when it ended early (reason: abort / error)."""
-        m = self.metrics
-        m.prompt_tokens.inc(prompt_tokens)
-        m.generation_tokens.inc(len(result.token_ids) if result is not None else self.tokens)
+        m, labels = self.metrics, (self.model, self.endpoint)
+        m.prompt_tokens.labels(*labels).inc(prompt_tokens)
+        m.generation_tokens.labels(*labels).inc(len(result.token_ids) if result is not None else self.tokens)
         if result is not None:
-            m.e2e.labels(self.endpoint).observe(time.perf_counter() - self.start)
-            m.draft_tokens.inc(result.num_draft_tokens)
-            m.accepted_tokens.inc(result.num_accepted_tokens)
-        m.finished.labels(result.finish_reason if result is not None else (reason or "error")).inc()
+            now = time.perf_counter()
+            m.e2e.labels(*labels).observe(now - self.start)
+            if self.first is not None and len(result.token_ids) > 1:
+                m.tpot.labels(*labels).observe((now - self.first) / (len(result.token_ids) - 1))
+            m.drafts.labels(*labels).inc(result.num_speculative_rounds)
+            m.draft_tokens.labels(*labels).inc(result.num_draft_tokens)
+            m.accepted_tokens.labels(*labels).inc(result.num_accepted_tokens)
+        m.finished.labels(*labels, result.finish_reason if result is not None else (reason or "error")).inc()

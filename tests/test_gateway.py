@@ -657,15 +657,21 @@ def test_metrics_count_requests_tokens_and_drafts(oai, model, base_url):
         key = name + json.dumps(labels, sort_keys=True)
         return after.get(key, 0.0) - before.get(key, 0.0)
 
+    # vLLM's names and model_name label: a vLLM dashboard reads them unchanged.
+    labels = {"model_name": model, "endpoint": "/v1/chat/completions"}
     assert delta("specdec_gateway_requests_total", endpoint="/v1/chat/completions", status="200") == 1
-    assert delta("specdec_gateway_time_to_first_token_seconds_count", endpoint="/v1/chat/completions") == 1
-    assert delta("specdec_gateway_e2e_request_latency_seconds_count", endpoint="/v1/chat/completions") == 1
-    assert delta("specdec_gateway_generation_tokens_total") == reply.usage.completion_tokens
-    assert delta("specdec_gateway_prompt_tokens_total") == reply.usage.prompt_tokens
+    for histogram in ("time_to_first_token", "e2e_request_latency", "time_per_output_token"):
+        assert delta(f"vllm:{histogram}_seconds_count", **labels) == 1, histogram
+    assert delta("vllm:inter_token_latency_seconds_count", **labels) == reply.usage.completion_tokens - 1
+    assert delta("vllm:generation_tokens_total", **labels) == reply.usage.completion_tokens
+    assert delta("vllm:prompt_tokens_total", **labels) == reply.usage.prompt_tokens
+    assert delta("vllm:request_success_total", **labels, finished_reason="length") == 1
     spec = reply.model_extra["speculative"]
-    assert delta("specdec_gateway_draft_tokens_total") == spec["num_draft_tokens"] > 0
-    assert delta("specdec_gateway_accepted_tokens_total") == spec["num_accepted_tokens"]
+    assert delta("vllm:spec_decode_num_draft_tokens_total", **labels) == spec["num_draft_tokens"] > 0
+    assert delta("vllm:spec_decode_num_accepted_tokens_total", **labels) == spec["num_accepted_tokens"]
+    assert delta("vllm:spec_decode_num_drafts_total", **labels) == spec["num_speculative_rounds"]
     assert 0 < spec["num_speculative_rounds"] < spec["num_rounds"]  # the first round never drafts
+    assert after.get("vllm:num_requests_running" + json.dumps({"model_name": model})) == 0
 
 
 # ---- the load harness through HTTP -------------------------------------------------------------
