@@ -258,7 +258,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--posterior-alpha", type=float, default=0.3)
     p.add_argument("--proposal", default=None, choices=["dense", "sparse", "ids"],
                    help="wire form of q (default: ids when greedy, else dense)")
-    p.add_argument("--proposal-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--proposal-dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="dtype of q's probabilities on the wire (default float32; alone: a dense q of this dtype)")
     p.add_argument("--top-n", type=int, default=64, help="tokens kept by --proposal sparse")
     p.add_argument("--num-speculative-tokens", type=gamma_arg, default="auto",
                    help="gamma, drafts per round, or 'auto' (default: per round in [0, 8], for goodput from the "
@@ -285,9 +286,10 @@ def proposal_format(args: argparse.Namespace):
     """The --proposal flags as a ProposalFormat, or None for the client's default."""
     from specdec.proposals import ProposalFormat
 
-    if args.proposal is None:
+    if args.proposal is None and args.proposal_dtype is None:
         return None
-    return ProposalFormat(kind=args.proposal, dtype=args.proposal_dtype, top_n=args.top_n)
+    # A dtype alone is a dense q of that dtype (greedy and typical rounds send ids whatever is asked).
+    return ProposalFormat(kind=args.proposal or "dense", dtype=args.proposal_dtype or "float32", top_n=args.top_n)
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -69,9 +69,11 @@ def health_command(args: argparse.Namespace) -> int:
     """Print the status; exit 0 only when SERVING (what a container healthcheck needs)."""
     from specdec_rpc.ops import TLSFiles, check_health
 
+    from specdec.argtypes import check_port
+
     if args.url:
         return _http_health(args.url, args.timeout_s, args.tls_ca)
-
+    check_port(args.address, "--address")  # a bare host would dial 443
     try:
         status = check_health(args.address, args.service, timeout_s=args.timeout_s,
                               tls=TLSFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca))
@@ -85,6 +87,7 @@ def health_command(args: argparse.Namespace) -> int:
 def _http_health(url: str, timeout_s: float, ca: str | None = None) -> int:
     """The gateway's /health: print its body; exit 0 only on 200 (its verifiers answer).
     ca: the CA bundle that signed an HTTPS gateway's certificate (--tls-ca, as for gRPC)."""
+    import http.client
     import ssl
     import urllib.error
     import urllib.request
@@ -96,8 +99,8 @@ def _http_health(url: str, timeout_s: float, ca: str | None = None) -> int:
             return 0
     except urllib.error.HTTPError as exc:
         print(f"specdec health: {url}: HTTP {exc.code}: {exc.read().decode()[:500]}", file=sys.stderr)
-    except (urllib.error.URLError, OSError) as exc:
-        print(f"specdec health: {url}: {exc}", file=sys.stderr)
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # e.g. a gRPC port: BadStatusLine
+        print(f"specdec health: {url}: {type(exc).__name__}: {exc}", file=sys.stderr)
     return 1
 
 

@@ -137,14 +137,22 @@ class OutputProcessor:
                 break
         if not result.ttft_s:
             result.ttft_s = now - self._t0
-        text = self._decode(result.token_ids)
+        if self.finished and result.finish_reason == "stop" and not params.include_stop_str_in_output:
+            # A stop token id (or EOS) ends the generation without its text, as vLLM v1's
+            # detokenizer: the id stays in token_ids, its text only with include_stop_str_in_output.
+            text = self._decode(result.token_ids[:-1])
+        else:
+            text = self._decode(result.token_ids)
         stops = params.stop if len(result.token_ids) >= params.min_tokens else ()
-        cut = find_stop(text, stops, self._stop_search_start()) if stops else None
-        if cut is not None:
-            text, cut = self._end_at_stop(new, text, cut)
-            stop = next(s for s in params.stop if text.startswith(s, cut))
+        found = find_stop(text, stops, self._stop_search_start()) if stops else None
+        if found is not None:
+            text, (cut, stop) = self._end_at_stop(new, text, found)
             end = cut + len(stop) if params.include_stop_str_in_output else cut
             text, self.finished, result.finish_reason, result.stop_reason = text[:end], True, "stop", stop
+        if self.finished:
+            # Bytes of a character that max_tokens cut in half: never completed, so never shown
+            # (vLLM's incremental detokenizer holds them back the same way).
+            text = text.rstrip("\ufffd")
         stable = text if self.finished else text.rstrip("\ufffd")
         if not self.finished and params.stop:  # before min_tokens too: a stop string may end past it
             hold = max(map(len, params.stop)) - 1
@@ -164,14 +172,17 @@ class OutputProcessor:
         a token at or past min_tokens completes it, however many tokens each round brought."""
         if self._stop_floor is None:
             floor_ids = self.result.token_ids[:max(0, self.params.min_tokens - 1)]
-            self._stop_floor = len(self.tokenizer.decode(floor_ids, skip_special_tokens=True)) if floor_ids else 0
+            # Without the U+FFFD of a character those tokens end inside: a token at or past
+            # min_tokens completes that character, so a stop string may end with it.
+            floor_text = self.tokenizer.decode(floor_ids, skip_special_tokens=True) if floor_ids else ""
+            self._stop_floor = len(floor_text.rstrip("\ufffd"))
         return max(len(self._emitted), self._stop_floor)
 
-    def _end_at_stop(self, new: list[int], text: str, cut: int) -> tuple[str, int]:
+    def _end_at_stop(self, new: list[int], text: str, found: tuple[int, str]) -> tuple[str, tuple[int, str]]:
         """A stop string ends the generation at the token that completes it, as one token a
         round would: the round's tokens after that one are dropped (from `new` too), so token
         ids, usage and logprobs do not depend on how many tokens a round verified. Returns the
-        text of the tokens kept and where the stop string starts in it."""
+        text of the tokens kept, and where the stop string starts in it and which one it is."""
         result, params = self.result, self.params
         base = len(result.token_ids) - len(new)
         for keep in range(max(1, params.min_tokens - base), len(new)):
@@ -181,7 +192,7 @@ class OutputProcessor:
                 if result.logprobs is not None:
                     del result.logprobs[base + keep:]
                 return head, at
-        return text, cut
+        return text, found
 
     def _decode(self, ids: list[int]) -> str:
         """The text of `ids` (all tokens so far): the settled text, plus the new tokens' text,
@@ -202,11 +213,13 @@ class OutputProcessor:
         return text
 
 
-def find_stop(text: str, stops: Sequence[str], start: int) -> int | None:
-    """Index where the earliest stop string begins, searching from just before `start`."""
+def find_stop(text: str, stops: Sequence[str], start: int) -> tuple[int, str] | None:
+    """(index, stop string) of the earliest stop string that ends past `start`; at one index,
+    the first listed. The stop is the one found: another listed stop may begin at the same
+    index and end before `start` (before min_tokens), which does not count."""
     best = None
     for s in stops:
         i = text.find(s, max(0, start - len(s) + 1))
-        if i != -1 and (best is None or i < best):
-            best = i
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, s)
     return best

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Collection, Generic, Sequence, TypeVar
 
+from specdec.argtypes import check_port
+
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.25, 4.0
 _ROOM_POLL_S = 0.02  # how often a generation queued for a full pool looks again
 
@@ -38,23 +40,11 @@ def parse_addresses(value: str | Sequence[str] | None, role: str) -> list[str]:
             address = address.strip()
             if not address:
                 continue
-            _check_port(address, role)
+            check_port(address, role)
             if address in out:
                 raise ValueError(f"{role} address {address} is listed twice")
             out.append(address)
     return out
-
-
-def _check_port(address: str, role: str) -> None:
-    """HOST:PORT, [IPV6]:PORT, or a gRPC target with a scheme (dns:///..., unix:...). Without a
-    port gRPC would dial 443, which is never what a bare host meant here."""
-    if "://" in address or address.startswith(("unix:", "unix-abstract:", "vsock:")):
-        return
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or host.endswith(":") or (":" in host and not host.startswith("[")):
-        raise ValueError(f"{role} address {address!r} needs a port: HOST:PORT (or [IPV6]:PORT)")
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{role} address {address!r}: the port must be in 1-65535")
 
 
 @dataclass(eq=False)

@@ -55,3 +55,15 @@ def add_client_security_args(p: argparse.ArgumentParser, auth: bool = True) -> N
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     if auth:
         p.add_argument("--auth-token-file", default=None, help="send the first token in this file as a bearer token")
+
+
+def check_port(address: str, role: str) -> None:
+    """HOST:PORT, [IPV6]:PORT, or a gRPC target with a scheme (dns:///..., unix:...). Without a
+    port gRPC would dial 443, which is never what a bare host meant here."""
+    if "://" in address or address.startswith(("unix:", "unix-abstract:", "vsock:")):
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or host.endswith(":") or (":" in host and not host.startswith("[")):
+        raise ValueError(f"{role} address {address!r} needs a port: HOST:PORT (or [IPV6]:PORT)")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{role} address {address!r}: the port must be in 1-65535")

@@ -208,6 +208,28 @@ def test_a_bad_model_path_or_environment_value_is_named_in_one_line(tmp_path):
         assert run.returncode != 0 and expected in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
 
 
+def test_health_url_of_a_port_that_speaks_no_http_is_one_line():
+    """--url pointed at a gRPC port answers bytes that are no HTTP status line: a traceback
+    (http.client.BadStatusLine) before."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        conn.recv(1024)
+        conn.sendall(b"\x00\x00\x12\x04\x00\x00\x00\x00\x00")  # an HTTP/2 SETTINGS frame, as a gRPC server sends
+        conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    url = f"http://127.0.0.1:{server.getsockname()[1]}/health"
+    run = subprocess.run([sys.executable, "-m", "cli", "health", "--url", url, "--timeout-s", "5"],
+                         capture_output=True, text=True, timeout=60)
+    server.close()
+    assert run.returncode == 1 and url in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
 def test_a_folder_of_tokenizer_files_alone_is_a_tokenizer(tmp_path):
     """Random-weight models are built on a tokenizer folder without config.json (what
     `scripts/gpu-check --prepare` carries to the GPU): it loads as a tokenizer, not as a model."""
@@ -224,7 +246,7 @@ def test_a_folder_of_tokenizer_files_alone_is_a_tokenizer(tmp_path):
                                   "cuda without CUDA", "bench against no verifier", "a result file that is a list",
                                   "result file in no directory", "negative grace", "negative warm-up",
                                   "dataset that is a directory", "openai bench against no server",
-                                  "recovery timeout 0"])
+                                  "recovery timeout 0", "health of a host without a port"])
 def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path):
     """Flags that cannot serve, files that are not what their flag needs, a device torch cannot
     use, a service that is not there: each is refused by name, before any model loads."""
@@ -257,6 +279,8 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path):
                               "-1"], 2, "--warmup-requests must be >= 0"),
         "dataset that is a directory": (["bench", "serve", "--verifier", "127.0.0.1:1", "--target-only", "--dataset",
                                          str(tmp_path)], 2, "is a directory"),
+        # gRPC dialled 443 for it
+        "health of a host without a port": (["health", "--address", "127.0.0.1"], 2, "needs a port"),
         "openai bench against no server": (["bench", "serve", "--backend", "openai", "--base-url", "http://127.0.0.1:1",
                                             "--num-prompts", "1", "--max-tokens", "2"], 1,
                                            "GET http://127.0.0.1:1/v1/models: ConnectError"),
@@ -264,3 +288,16 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path):
     run = subprocess.run([sys.executable, "-m", "cli", *argv], capture_output=True, text=True, timeout=120)
     assert run.returncode == code and says in run.stderr, run.stderr[-2000:]
     assert "Traceback" not in run.stderr
+
+
+def test_a_proposal_dtype_alone_is_a_dense_proposal_of_that_dtype():
+    """`--proposal-dtype float16` without `--proposal` was ignored (float32 went out)."""
+    from cli import build_parser, proposal_format
+
+    def fmt(*flags):
+        return proposal_format(build_parser(bench=False).parse_args(["generate", "--verifier", "v:1", *flags]))
+
+    assert fmt() is None  # the client's default: ids when greedy, else dense float32
+    assert (fmt("--proposal-dtype", "float16").kind, fmt("--proposal-dtype", "float16").dtype) == ("dense", "float16")
+    sparse = fmt("--proposal", "sparse", "--top-n", "8")
+    assert (sparse.kind, sparse.dtype, sparse.top_n) == ("sparse", "float32", 8)

@@ -114,11 +114,50 @@ def test_eos_ends_a_round_unless_before_min_tokens_or_ignored(tokenizer):
     assert ignored.result.finish_reason == "length" and ignored.result.stop_reason is None
 
 
-def test_a_stop_token_id_ends_the_generation(tokenizer):
+def test_a_stop_token_id_ends_the_generation_without_its_text_unless_asked(tokenizer):
+    """As vLLM v1's detokenizer: the stop token id is in token_ids, its text only with
+    include_stop_str_in_output (it was always in the text)."""
     ids = _ids(tokenizer, " a b c d")
-    out = _processor(tokenizer, max_tokens=10, stop_token_ids=[ids[2]])
-    assert out.commit(ids, None, now=1.0).token_ids == ids[:3]
-    assert out.result.finish_reason == "stop" and out.result.stop_reason == ids[2]
+    for include, text in ((False, " a b"), (True, " a b c")):
+        out = _processor(tokenizer, max_tokens=10, stop_token_ids=[ids[2]], include_stop_str_in_output=include)
+        chunks = _rounds(out, [ids[:2], ids[2:]])
+        assert chunks[-1].token_ids == ids[2:3] and out.result.token_ids == ids[:3]
+        assert out.result.finish_reason == "stop" and out.result.stop_reason == ids[2]
+        assert out.result.text == text == "".join(c.text for c in chunks)
+
+
+def test_a_stop_string_completed_at_min_tokens_counts_inside_a_multibyte_character(tokenizer):
+    """The first min_tokens - 1 tokens end inside an emoji: the floor a stop string must end
+    past was the length of their text *with* U+FFFD for the partial bytes, which put it past
+    the emoji that token min_tokens completes, so that stop was skipped."""
+    ids = _ids(tokenizer, "🍕🍕🍕🍕")
+    per = len(_ids(tokenizer, "🍕"))
+    assert per > 1 and len(ids) == 4 * per  # several byte tokens per emoji
+    for min_tokens in range(per + 1, 2 * per + 1):  # the second emoji is completed by token 2·per
+        out = _processor(tokenizer, max_tokens=50, stop=["🍕"], min_tokens=min_tokens, include_stop_str_in_output=True)
+        _rounds(out, [[i] for i in ids])
+        assert out.result.text == "🍕🍕" and len(out.result.token_ids) == 2 * per, min_tokens
+
+
+def test_the_stop_string_reported_is_the_one_that_ended_the_generation(tokenizer):
+    """Two stop strings at one index, the shorter complete before min_tokens: the longer one
+    ends the generation, in either order of the list (the first listed was reported, and kept)."""
+    ids = _ids(tokenizer, " The answer is")
+    first = len(_ids(tokenizer, " The"))
+    for stops in ([" The", " The answer"], [" The answer", " The"]):
+        for include in (False, True):
+            out = _processor(tokenizer, max_tokens=50, stop=stops, min_tokens=first + 1,
+                             include_stop_str_in_output=include)
+            _rounds(out, [[i] for i in ids])
+            assert out.result.stop_reason == " The answer", stops
+            assert out.result.text == (" The answer" if include else "")
+
+
+def test_a_character_cut_by_max_tokens_is_not_shown(tokenizer):
+    ids = _ids(tokenizer, "ok 🍕")
+    out = _processor(tokenizer, max_tokens=len(ids) - 1)
+    chunks = _rounds(out, [[i] for i in ids])
+    assert out.result.finish_reason == "length" and out.result.text == "ok " == "".join(c.text for c in chunks)
 
 
 def test_an_incomplete_utf8_character_is_held_until_complete(tokenizer):
