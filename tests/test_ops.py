@@ -295,7 +295,7 @@ def test_a_proposal_dtype_alone_is_a_dense_proposal_of_that_dtype():
     from cli import build_parser, proposal_format
 
     def fmt(*flags):
-        return proposal_format(build_parser(bench=False).parse_args(["generate", "--verifier", "v:1", *flags]))
+        return proposal_format(build_parser(bench=False).parse_args(["generate", "--verifier", "v:1", "--prompt", "x", *flags]))
 
     assert fmt() is None  # the client's default: ids when greedy, else dense float32
     assert (fmt("--proposal-dtype", "float16").kind, fmt("--proposal-dtype", "float16").dtype) == ("dense", "float16")
