@@ -244,6 +244,10 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--include-stop-str-in-output", action="store_true",
                    help="keep the stop string that ended the text at its end")
     p.add_argument("--stop-token-ids", type=int, nargs="*", default=[])
+    p.add_argument("--logit-bias", type=_bias_pair, nargs="+", default=[], metavar="ID:BIAS",
+                   help="added to the raw logit of token ID, e.g. --logit-bias 30:-100 (vLLM's logit_bias)")
+    p.add_argument("--allowed-token-ids", type=int, nargs="+", default=None,
+                   help="only these tokens may be generated (vLLM's allowed_token_ids)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--min-tokens", type=int, default=0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
@@ -279,7 +283,17 @@ def _params(args: argparse.Namespace):
                           min_tokens=args.min_tokens, repetition_penalty=args.repetition_penalty,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                           logprobs=args.logprobs, acceptance_method=args.acceptance_method,
-                          posterior_threshold=args.posterior_threshold, posterior_alpha=args.posterior_alpha)
+                          posterior_threshold=args.posterior_threshold, posterior_alpha=args.posterior_alpha,
+                          logit_bias=dict(args.logit_bias), allowed_token_ids=args.allowed_token_ids)
+
+
+def _bias_pair(text: str) -> tuple[int, float]:
+    """--logit-bias ID:BIAS."""
+    token, sep, bias = text.partition(":")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--logit-bias takes ID:BIAS, e.g. 30:-100, got {text!r}") from None
 
 
 def proposal_format(args: argparse.Namespace):

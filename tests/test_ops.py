@@ -301,3 +301,17 @@ def test_a_proposal_dtype_alone_is_a_dense_proposal_of_that_dtype():
     assert (fmt("--proposal-dtype", "float16").kind, fmt("--proposal-dtype", "float16").dtype) == ("dense", "float16")
     sparse = fmt("--proposal", "sparse", "--top-n", "8")
     assert (sparse.kind, sparse.dtype, sparse.top_n) == ("sparse", "float32", 8)
+
+
+def test_generate_takes_vllms_logit_bias_and_allowed_token_ids():
+    from cli import _params, build_parser
+
+    def params(*flags):
+        return _params(build_parser(bench=False).parse_args(["generate", "--verifier", "v:1", "--prompt", "x", *flags]))
+
+    chosen = params("--logit-bias", "30:-100", "5:2.5", "--allowed-token-ids", "30", "1", "2")
+    assert chosen.logit_bias == ((5, 2.5), (30, -100.0)) and chosen.allowed_token_ids == (1, 2, 30)
+    assert params().logit_bias == () and params().allowed_token_ids is None
+    run = subprocess.run([sys.executable, "-m", "cli", "generate", "--verifier", "v:1", "--prompt", "x",
+                          "--logit-bias", "30"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "ID:BIAS" in run.stderr and "Traceback" not in run.stderr
