@@ -226,7 +226,10 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
         except BaseException as exc:
             _cancel(runs)
             if runs:
-                _finish(runs, builder, None, "abort" if isinstance(exc, asyncio.CancelledError) else "error")
+                # A request the services refused (a 4xx) is no served request, as one the gateway refused.
+                refused = isinstance(exc, APIError) and 400 <= exc.status < 500
+                _finish(runs, builder, None, "abort" if isinstance(exc, asyncio.CancelledError) else
+                        "refused" if refused else "error", count=not refused)
             raise
         _finish(runs, builder, results)
         return JSONResponse(builder.response(results))
@@ -370,10 +373,11 @@ def _event(body: dict) -> str:
 
 
 def _finish(runs: list[_Choice], builder: ResponseBuilder, results: list[GenerationResult] | None,
-            reason: str | None = None) -> None:
-    """Metrics per choice (a generation each), one log line per request."""
+            reason: str | None = None, count: bool = True) -> None:
+    """Metrics per choice (a generation each, unless not `count`), one log line per request."""
     for i, run in enumerate(runs):
-        run.timer.finish(run.prompt_tokens, results[i] if results is not None else None, reason)
+        if count:
+            run.timer.finish(run.prompt_tokens, results[i] if results is not None else None, reason)
     start, tokens = runs[0].timer.start, sum(run.timer.tokens for run in runs)
     if results is None:
         log.info("request id=%s endpoint=%s choices=%d prompt_tokens=%d completion_tokens=%d finish=%s ms=%.0f",

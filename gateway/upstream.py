@@ -110,7 +110,11 @@ def upstream_error(exc: BaseException) -> APIError:
                     grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED):
             return APIError(503, message, type="service_unavailable", code="upstream_unavailable")
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
-            return APIError(400, message)
+            # A sampling field the services refused ("sampling.allowed_token_ids: ...") is the request's
+            # field of that name; their other fields (session, append ids) are none of the request's.
+            field = (exc.details() or "").partition(":")[0]
+            param = field.removeprefix("sampling.") if field.startswith("sampling.") else None
+            return APIError(400, message, param=param if param and param.isidentifier() else None)
         return APIError(500, message, type="server_error", code="upstream_error")
     if isinstance(exc, IncompatibleModels):
         return APIError(503, str(exc), type="service_unavailable", code="upstream_incompatible")

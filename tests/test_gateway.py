@@ -395,6 +395,9 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
               "logit_bias keyed by a word": {"logit_bias": {"hello": 5}},
               "logit_bias past the vocabulary": {"logit_bias": {str(10**7): 5}},
               "allowed_token_ids past the vocabulary": {"extra_body": {"allowed_token_ids": [5, 10**7]}},
+              # refused by the services (min_tokens would mask every allowed token): their field is the param
+              "allowed_token_ids all masked by min_tokens": {"max_tokens": 4, "extra_body": {
+                  "allowed_token_ids": [5], "stop_token_ids": [5], "min_tokens": 3}},
               }[case]
     with pytest.raises(openai.APIStatusError) as info:
         client.chat.completions.create(**{"model": model, "messages": messages, "max_tokens": 2, **kwargs})
@@ -428,6 +431,7 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
     ("logit_bias keyed by a word", 400, "logit_bias", None),
     ("logit_bias past the vocabulary", 400, "logit_bias", None),
     ("allowed_token_ids past the vocabulary", 400, "allowed_token_ids", None),
+    ("allowed_token_ids all masked by min_tokens", 400, "allowed_token_ids", None),
 ])
 def test_bad_request_gets_its_status_and_openai_error_body_and_the_gateway_keeps_serving(
         oai, model, base_url, case, status, param, code):
@@ -651,6 +655,9 @@ def test_metrics_count_requests_tokens_and_drafts(oai, model, base_url):
     # A seeded sampled request runs with a fixed γ (reproducible), so it drafts from its second round on.
     reply = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
                                         temperature=0.7, seed=3)
+    with pytest.raises(openai.BadRequestError):  # refused by the services: no served request, as a gateway 400
+        oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                    extra_body={"allowed_token_ids": [5], "stop_token_ids": [5], "min_tokens": 3})
     after = scrape()
 
     def delta(name: str, **labels) -> float:
