@@ -149,11 +149,9 @@ class OutputProcessor:
             text, (cut, stop) = self._end_at_stop(new, text, found)
             end = cut + len(stop) if params.include_stop_str_in_output else cut
             text, self.finished, result.finish_reason, result.stop_reason = text[:end], True, "stop", stop
-        if self.finished:
-            # Bytes of a character that max_tokens cut in half: never completed, so never shown
-            # (vLLM's incremental detokenizer holds them back the same way).
-            text = text.rstrip("\ufffd")
-        stable = text if self.finished else text.rstrip("\ufffd")
+        # The bytes of an incomplete character (U+FFFD) are never shown: held back while the
+        # generation runs, dropped at its end where max_tokens cut one (as vLLM's detokenizer).
+        stable = text = text.rstrip("\ufffd")
         if not self.finished and params.stop:  # before min_tokens too: a stop string may end past it
             hold = max(map(len, params.stop)) - 1
             stable = stable[:max(len(self._emitted), len(stable) - hold)]
