@@ -103,9 +103,9 @@ _SAMPLING_MEMO_KEY_BYTES = 1024
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     """Unset fields take vLLM's defaults; invalid values raise InvalidArgument naming the field."""
-    if msg.ByteSize() > _SAMPLING_MEMO_KEY_BYTES:  # long id lists: built per call, never kept
-        return _sampling_from_pb(msg)
     key = msg.SerializeToString(deterministic=True)
+    if len(key) > _SAMPLING_MEMO_KEY_BYTES:  # long id lists: built per call, never kept
+        return _sampling_from_pb(msg)
     params = _SAMPLING_MEMO.get(key)
     if params is None:
         params = _sampling_from_pb(msg)  # raises on invalid values: those are never stored
