@@ -10,7 +10,7 @@ import math
 import os
 import sys
 
-from specdec.argtypes import positive as _positive
+from specdec.argtypes import add_client_security_args, positive as _positive
 
 
 def _output_file(text: str) -> str:
@@ -104,7 +104,7 @@ def _add_dataset_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: 
 
 
 def _add_workload_args(p: argparse.ArgumentParser, verifier_required: bool = True) -> None:
-    from specdec.argtypes import AddressList, add_client_security_args
+    from specdec.argtypes import AddressList
 
     add_client_security_args(p)  # the services' TLS and token; --tls-ca is also the HTTPS CA of --backend openai
     p.add_argument("--drafter", action=AddressList,
@@ -212,8 +212,6 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     v.add_argument("--empty-calls", type=int, default=500,
                    help="unary health checks timed first: what a gRPC call alone costs on this host (0 = skip)")
     v.add_argument("--json", default=None)
-    from specdec.argtypes import add_client_security_args
-
     add_client_security_args(v)
 
     from bench import engine as bench_engine, sampler as bench_sampler  # torch is imported by now anyway
@@ -230,14 +228,13 @@ def _workload(args: argparse.Namespace, target_only: bool):
     from bench.datasets import RandomDataset
     from bench.serve import WorkloadConfig
     from specdec.sampling import SamplingParams
+    from specdec_rpc.ops import client_security
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
-    from specdec_rpc.ops import TLSFiles, read_token
-
+    tls, auth_token = client_security(args)
     return WorkloadConfig(
-        tls=TLSFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca),
-        auth_token=read_token(args.auth_token_file) if args.auth_token_file else None,
+        tls=tls, auth_token=auth_token,
         verifier=args.verifier, drafter=args.drafter, dataset=args.dataset, num_prompts=args.num_prompts,
         random_dataset=RandomDataset(args.random_input_len, args.random_output_len, args.random_range_ratio,
                                      args.random_prefix_len),

@@ -39,7 +39,7 @@ from specdec.errors import SpecDecError
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
 from specdec_rpc.adapters import CHANNEL_OPTIONS
-from specdec_rpc.ops import TLSFiles, open_channel, read_token
+from specdec_rpc.ops import client_security, open_channel
 
 
 def _worker(stub, gamma: int, prompt_len: int, vocab: int, max_context: int, seconds: float, seed: int,
@@ -245,8 +245,8 @@ def run(args) -> int:
                  "--log-level", "WARNING"]
         service = start_service("verifier", extra, threads=args.service_threads)
         address = service.address
-    security = dict(tls=TLSFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca),
-                    auth_token=read_token(args.auth_token_file) if args.auth_token_file else None)
+    tls, auth_token = client_security(args)
+    security = dict(tls=tls, auth_token=auth_token)
     try:
         floor_ms = empty_call_ms(address, args.empty_calls, **security)
         if floor_ms is not None:

@@ -67,16 +67,15 @@ def _print_logprobs(entries: list[dict], tokenizer) -> None:
 
 def health_command(args: argparse.Namespace) -> int:
     """Print the status; exit 0 only when SERVING (what a container healthcheck needs)."""
-    from specdec_rpc.ops import TLSFiles, check_health
-
     from specdec.argtypes import check_port
+    from specdec_rpc.ops import check_health, client_security
 
     if args.url:
         return _http_health(args.url, args.timeout_s, args.tls_ca)
     check_port(args.address, "--address")  # a bare host would dial 443
     try:
         status = check_health(args.address, args.service, timeout_s=args.timeout_s,
-                              tls=TLSFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca))
+                              tls=client_security(args)[0])
     except grpc.RpcError as exc:
         print(f"specdec health: {args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1

@@ -127,6 +127,14 @@ def read_token(path: str) -> str:
     return load_tokens(path)[0]
 
 
+def client_security(args) -> tuple[TLSFiles, str | None]:
+    """(TLS files, bearer token) from the flags of `specdec.argtypes.add_client_security_args`
+    (health's have no token file)."""
+    token_file = getattr(args, "auth_token_file", None)
+    token = read_token(token_file) if token_file else None
+    return TLSFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca), token
+
+
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8")).digest()
 
