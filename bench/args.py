@@ -88,14 +88,16 @@ def _add_dataset_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: 
                    help="'specbench' (the shipped 126 prompts, 7 categories), 'random' (vLLM's: random token ids, "
                         "--random-*), a ShareGPT JSON file, or a .jsonl file of {\"prompt\": ...} lines (vLLM's "
                         "custom dataset)")
-    p.add_argument("--random-input-len", type=_positive("--random-input-len"), default=1024,
-                   help="--dataset random: prompt tokens after the prefix")
-    p.add_argument("--random-output-len", type=_positive("--random-output-len"), default=128,
-                   help="--dataset random: each request's max_tokens (instead of --max-tokens)")
-    p.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="--dataset random: lengths uniform in [len·(1 - r), len·(1 + r)], r in [0, 1)")
-    p.add_argument("--random-prefix-len", type=int, default=0,
-                   help="--dataset random: random tokens every prompt starts with")
+    # Defaults None, so that a --random-* flag without --dataset random is refused instead of
+    # silently ignored (RandomDataset holds vLLM's defaults: 1024 in, 128 out).
+    p.add_argument("--random-input-len", type=_positive("--random-input-len"), default=None,
+                   help="--dataset random: prompt tokens after the prefix (default 1024)")
+    p.add_argument("--random-output-len", type=_positive("--random-output-len"), default=None,
+                   help="--dataset random: each request's max_tokens, instead of --max-tokens (default 128)")
+    p.add_argument("--random-range-ratio", type=float, default=None,
+                   help="--dataset random: lengths uniform in [len·(1 - r), len·(1 + r)], r in [0, 1) (default 0)")
+    p.add_argument("--random-prefix-len", type=int, default=None,
+                   help="--dataset random: random tokens every prompt starts with (default 0)")
     p.add_argument("--num-prompts", type=_positive("--num-prompts"), default=num_prompts)
     p.add_argument("--max-tokens", type=_positive("--max-tokens"), default=max_tokens)
     p.add_argument("--seed", type=int, default=0, help="prompt order, arrivals and per-request sampling seeds")
@@ -224,8 +226,18 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     return bench
 
 
+def _random_dataset(args: argparse.Namespace):
+    from bench.datasets import RANDOM, RandomDataset
+
+    given = {f: getattr(args, f"random_{f}") for f in ("input_len", "output_len", "range_ratio", "prefix_len")
+             if getattr(args, f"random_{f}") is not None}
+    if args.dataset != RANDOM and given:
+        raise ValueError(f"{', '.join('--random-' + f.replace('_', '-') for f in given)} go with --dataset random "
+                         f"(the dataset is {args.dataset!r})")
+    return RandomDataset(**given)
+
+
 def _workload(args: argparse.Namespace, target_only: bool):
-    from bench.datasets import RandomDataset
     from bench.serve import WorkloadConfig
     from specdec.sampling import SamplingParams
     from specdec_rpc.ops import client_security
@@ -236,8 +248,7 @@ def _workload(args: argparse.Namespace, target_only: bool):
     return WorkloadConfig(
         tls=tls, auth_token=auth_token,
         verifier=args.verifier, drafter=args.drafter, dataset=args.dataset, num_prompts=args.num_prompts,
-        random_dataset=RandomDataset(args.random_input_len, args.random_output_len, args.random_range_ratio,
-                                     args.random_prefix_len),
+        random_dataset=_random_dataset(args),
         request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
         seed=args.seed, params=params, num_speculative_tokens=args.num_speculative_tokens, chat=args.chat,
         fanout=args.fanout,
@@ -365,6 +376,7 @@ def _peer(args: argparse.Namespace) -> int:
 
     if bool(args.drafter) != bool(args.verifier):
         raise ValueError("give both --drafter and --verifier, or neither (then both are started here)")
+    _random_dataset(args)  # refuses --random-* flags: peer runs text datasets
     gammas = [int(g) for g in parse_points(args.num_speculative_tokens, "--num-speculative-tokens", integer=True)]
     result = run_peer(dataset=args.dataset, num_prompts=args.num_prompts, max_tokens=args.max_tokens, gammas=gammas,
                       seed=args.seed, chat=args.chat, threads=args.threads, service_threads=args.service_threads,

@@ -257,6 +257,14 @@ class ServingModel:
         reserved = config.speculation_slots + 1
         slots = self.lm.configure_pool(config.max_sessions + reserved, max_batch=config.max_batch_size,
                                        max_width=config.max_draft_tokens + 2, budget_bytes=budget)
+        if slots is None and budget is not None and getattr(self.lm, "slots", None) is not None:
+            # A slot is preallocated at open: a budget below one slot would refuse every session
+            # at its first call (and clients retry a refusal until their timeout), so say it now.
+            one = self.lm.slots.new_slot_bytes()
+            if one > budget:
+                raise ResourceExhausted(f"--kv-budget-mb {config.kv_budget_mb:g} holds no session: one session's KV "
+                                        f"({self.lm.max_context} tokens) takes {one / 2**20:.1f} MiB; raise "
+                                        "--kv-budget-mb or lower --max-model-len")
         if slots is None or slots >= config.max_sessions + reserved:
             return config.max_sessions
         if slots <= reserved:

@@ -246,7 +246,8 @@ def test_a_folder_of_tokenizer_files_alone_is_a_tokenizer(tmp_path):
                                   "cuda without CUDA", "bench against no verifier", "a result file that is a list",
                                   "result file in no directory", "negative grace", "negative warm-up",
                                   "dataset that is a directory", "openai bench against no server",
-                                  "recovery timeout 0", "health of a host without a port"])
+                                  "recovery timeout 0", "health of a host without a port",
+                                  "random lengths without the random dataset"])
 def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path):
     """Flags that cannot serve, files that are not what their flag needs, a device torch cannot
     use, a service that is not there: each is refused by name, before any model loads."""
@@ -279,6 +280,10 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path):
                               "-1"], 2, "--warmup-requests must be >= 0"),
         "dataset that is a directory": (["bench", "serve", "--verifier", "127.0.0.1:1", "--target-only", "--dataset",
                                          str(tmp_path)], 2, "is a directory"),
+        # they were ignored: the run measured the default dataset
+        "random lengths without the random dataset": (["bench", "serve", "--verifier", "127.0.0.1:1", "--target-only",
+                                                        "--random-input-len", "64"], 2,
+                                                       "--random-input-len go with --dataset random"),
         # gRPC dialled 443 for it
         "health of a host without a port": (["health", "--address", "127.0.0.1"], 2, "needs a port"),
         "openai bench against no server": (["bench", "serve", "--backend", "openai", "--base-url", "http://127.0.0.1:1",
@@ -288,6 +293,16 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path):
     run = subprocess.run([sys.executable, "-m", "cli", *argv], capture_output=True, text=True, timeout=120)
     assert run.returncode == code and says in run.stderr, run.stderr[-2000:]
     assert "Traceback" not in run.stderr
+
+
+def test_a_kv_budget_below_one_session_is_refused_at_start():
+    """Every session preallocates its KV slot at open: a budget smaller than one slot used to
+    start, then refuse every session at its first call, which clients retried until their
+    timeout. It is refused at start, with the size one session needs."""
+    run = subprocess.run([sys.executable, "-m", "cli", "verifier", "--kv-budget-mb", "1", "--port", "0"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "--kv-budget-mb 1 holds no session" in run.stderr, run.stderr[-2000:]
+    assert "MiB; raise --kv-budget-mb" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_a_proposal_dtype_alone_is_a_dense_proposal_of_that_dtype():
