@@ -344,15 +344,17 @@ class SpeculativeClient:
     # ---- public API ---------------------------------------------------------------
 
     def encode_prompt(self, prompt: str | Sequence[int] | Sequence[dict], chat: bool = False, *,
-                      tokenizer=None) -> list[int]:
+                      tokenizer=None, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt: text (through the chat template as one user turn with `chat`),
         token ids (checked against the verifier's vocabulary), or chat messages ({"role",
         "content"} dicts, always through the chat template). tokenizer: a copy of the client's
-        to use instead (callers that encode on several threads at once)."""
+        to use instead (callers that encode on several threads at once). add_special_tokens:
+        plain text gets the tokenizer's own (a BOS for Llama, Mistral or Gemma; nothing for
+        SmolLM2 or Qwen), as transformers and vLLM's completions do."""
         if isinstance(prompt, str):
             if chat:
                 return self.encode_chat([{"role": "user", "content": prompt}], tokenizer=tokenizer)
-            return list((tokenizer or self.tokenizer)(prompt, add_special_tokens=False).input_ids)
+            return list((tokenizer or self.tokenizer)(prompt, add_special_tokens=add_special_tokens).input_ids)
         if isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
             return self.encode_chat(prompt, tokenizer=tokenizer)
         try:
@@ -382,22 +384,27 @@ class SpeculativeClient:
             raise ValueError(f"{what} {bad} is outside the verifier's vocabulary [0, {vocab})")
 
     def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, tokenizer=None, **template_kwargs) -> list[int]:
+                    continue_final_message: bool = False, tokenizer=None, add_special_tokens: bool = False,
+                    **template_kwargs) -> list[int]:
         """Token ids of a conversation through the model's chat template, ready for the reply
         (add_generation_prompt), or ending inside the last assistant message, which the reply
         then continues (continue_final_message). template_kwargs: the template's own variables;
-        tokenizer: as encode_prompt's."""
+        tokenizer: as encode_prompt's. add_special_tokens: the tokenizer's special tokens on top
+        of the rendered template (vLLM's chat option; off, since templates write their own BOS)."""
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise ValueError(f"messages[{i}] must be a dict with a string 'role', got {m!r}")
             if not isinstance(m.get("content"), (str, list)) and not m.get("tool_calls"):
                 raise ValueError(f"messages[{i}] ({m['role']}) needs a 'content' string, got {m.get('content')!r}")
+        tokenizer = tokenizer or self.tokenizer
         try:
-            ids = (tokenizer or self.tokenizer).apply_chat_template(
+            ids = tokenizer.apply_chat_template(
                 list(messages), add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=True, **template_kwargs)
+                continue_final_message=continue_final_message, tokenize=not add_special_tokens, **template_kwargs)
         except (TemplateError, TypeError) as exc:  # the template's own checks (roles, alternation, content)
             raise ValueError(f"the chat template refused the conversation: {exc}") from None
+        if add_special_tokens:  # the rendered text, tokenized as a completion's prompt
+            return list(tokenizer(ids, add_special_tokens=True).input_ids)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         return list(ids)

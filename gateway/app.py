@@ -1,5 +1,6 @@
 """The FastAPI application: OpenAI's /v1/completions, /v1/chat/completions and /v1/models,
-plus /health, /metrics and /version (as vLLM's server), over one `Upstream` (the speculative client).
+plus /tokenize, /detokenize, /health, /metrics and /version (as vLLM's server), over one
+`Upstream` (the speculative client).
 
 A request is validated (pydantic, then SamplingParams), tokenized, and started as tasks that
 read the client's chunks, a generation per choice (n per prompt); the handler waits for every choice's first
@@ -39,8 +40,10 @@ from gateway.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     MAX_CHOICES,
     ResponseBuilder,
+    TokenizeRequest,
     bad_request,
     choice_params,
     models_list,
@@ -51,7 +54,8 @@ from gateway.upstream import Generation, Upstream, UpstreamConfig
 log = logging.getLogger("specdec.gateway")
 
 CLIENT_CLOSED = 499  # nginx's code for a request the client abandoned; only metrics and logs see it
-_ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models", "/health", "/metrics", "/version")
+_ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics", "/version")
+_KEYED = ("/v1", "/tokenize", "/detokenize")  # paths that need the API key (vLLM keys /v1 only)
 try:
     _VERSION = _package_version("specdec")
 except PackageNotFoundError:  # run from a source tree that was never installed
@@ -154,6 +158,39 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
         info = client.verifier_info
         return models_list(list(served_names()), info.model, info.max_context, started)
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        """vLLM's: the ids a completion (prompt) or chat (messages) request would send."""
+        request = body.as_request()
+        client = await upstream.wait_ready()
+        check_model(request.model)
+        if isinstance(request, ChatCompletionRequest):
+            ids = await upstream.encode(messages=request.template_messages(),
+                                        template_options=request.template_options())
+        else:
+            ids = await upstream.encode(prompt=request.prompt, add_special_tokens=request.add_special_tokens)
+        out = {"count": len(ids), "max_model_len": client.verifier_info.max_context, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = client.tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        client = await upstream.wait_ready()
+        check_model(body.model)
+        vocab = client.verifier_info.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request("tokens", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        return {"prompt": client.tokenizer.decode(body.tokens)}
+
+    def check_model(model: str | None) -> str:
+        names = served_names()
+        if model and model not in names:  # "" or None: the first name, as before
+            raise APIError(404, f"The model `{model}` does not exist; this server serves {', '.join(names)}.",
+                           param="model", code="model_not_found")
+        return model or names[0]
+
     # ---- generation -----------------------------------------------------------------------------
 
     @app.post(COMPLETIONS)
@@ -174,18 +211,15 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
             client = await _race(request, upstream.wait_ready())
         except _ClientGone:
             return Response(status_code=CLIENT_CLOSED)
-        names = served_names()
-        model = body.model or names[0]
-        if model not in names:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves {', '.join(names)}.",
-                           param="model", code="model_not_found")
+        model = check_model(body.model)
         n = body.n or 1
         if chat:
             prompts = [await upstream.encode(messages=body.template_messages(),
                                              template_options=body.template_options())]
         else:
             # token ids are checked against the verifier's vocabulary there (SpeculativeClient.encode_prompt)
-            prompts = [await upstream.encode(prompt=p) for p in body.prompts()]
+            prompts = [await upstream.encode(prompt=p, add_special_tokens=body.add_special_tokens)
+                       for p in body.prompts()]
         if len(prompts) * n > MAX_CHOICES:
             raise bad_request("n", f"prompts x n = {len(prompts)} x {n} is more than {MAX_CHOICES} generations "
                                    "in one request")
@@ -414,7 +448,7 @@ class _FrontDoor:
             await send(message)
 
         try:
-            if self._key_digest is not None and path.startswith("/v1") and not self._authorized(scope):
+            if self._key_digest is not None and path.startswith(_KEYED) and not self._authorized(scope):
                 err = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
                                code="invalid_api_key")
                 response = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})

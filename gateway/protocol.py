@@ -126,6 +126,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (if it has one) before a text prompt
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -173,7 +174,7 @@ _TEMPLATE_CALL_ARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs",
-    "tokenizer",  # SpeculativeClient.encode_chat's own
+    "tokenizer", "add_special_tokens",  # SpeculativeClient.encode_chat's own
 })
 
 
@@ -190,6 +191,7 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # vLLM's: special tokens on top of the template's (which has its BOS)
     echo: bool = False  # vLLM's: the last message's content before the reply (refused)
 
     def refuse_unsupported(self) -> None:
@@ -217,9 +219,9 @@ class ChatCompletionRequest(_Sampling):
                                                       f"variables, not {', '.join(sorted(reserved))}")
 
     def template_options(self) -> dict[str, Any]:
-        """Keyword arguments for the tokenizer's apply_chat_template beside the messages."""
+        """Keyword arguments for SpeculativeClient.encode_chat beside the messages."""
         return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message}
+                "continue_final_message": self.continue_final_message, "add_special_tokens": self.add_special_tokens}
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The conversation as the chat template takes it: text content only."""
@@ -459,6 +461,41 @@ class ResponseBuilder:
                                   **{self.decode(t): json_logprob(v) for t, v in e["top_logprobs"].items()}}
                                  for e in entries],
                 "text_offset": offsets}
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a completion's `prompt` or a chat's `messages` (with the chat
+    template's options), tokenized exactly as that request would be."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # default: the endpoint's (True for a prompt, False for messages)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    def as_request(self) -> CompletionRequest | ChatCompletionRequest:
+        """The completion or chat request whose prompt this is: its checks and its encoding."""
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("prompt", "give either prompt or messages")
+        special = {} if self.add_special_tokens is None else {"add_special_tokens": self.add_special_tokens}
+        if self.prompt is not None:
+            return CompletionRequest(model=self.model, prompt=self.prompt, **special)
+        chat = ChatCompletionRequest(model=self.model, messages=self.messages, **special,
+                                     add_generation_prompt=self.add_generation_prompt,
+                                     continue_final_message=self.continue_final_message,
+                                     chat_template_kwargs=self.chat_template_kwargs)
+        chat.refuse_unsupported()
+        return chat
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
 
 
 def models_list(names: list[str], root: str, max_context: int, created: int) -> dict:

@@ -282,7 +282,7 @@ class Upstream:
     # ---- requests -----------------------------------------------------------------------------
 
     async def encode(self, prompt: str | Sequence[int] | None = None, messages: list[dict] | None = None,
-                     template_options: dict | None = None) -> list[int]:
+                     template_options: dict | None = None, add_special_tokens: bool = True) -> list[int]:
         client = self.require()
         param = "messages" if messages is not None else "prompt"
 
@@ -294,7 +294,7 @@ class Upstream:
             try:
                 if messages is not None:
                     return client.encode_chat(messages, tokenizer=tokenizer, **(template_options or {}))
-                return client.encode_prompt(prompt, tokenizer=tokenizer)
+                return client.encode_prompt(prompt, tokenizer=tokenizer, add_special_tokens=add_special_tokens)
             finally:
                 self._tokenizers.give_back(client, tokenizer)
 

@@ -1,0 +1,119 @@
+"""Prompt tokenization through the gateway, as vLLM's server does it: a text prompt gets the
+tokenizer's own special tokens (a BOS for Llama, Mistral or Gemma tokenizers), a chat gets its
+template's alone, `add_special_tokens` overrides either, and /tokenize + /detokenize answer the
+ids a request would send. A tiny random Llama whose tokenizer prepends a BOS (the embedded
+SmolLM2 tokenizer adds none, so it cannot tell the two apart), a real verifier and gateway
+process with an API key, the official `openai` package."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from client.launcher import start_service
+from tests.conftest import SERVICE_THREADS
+
+KEY = "tokenize-test-key"
+BOS = "<|im_start|>"  # id 1 in the embedded vocabulary
+
+
+def _prepend_bos(tokenizer_json) -> None:
+    """A TemplateProcessing post-processor that puts BOS before every sequence, as Llama's."""
+    spec = json.loads(tokenizer_json.read_text())
+    bos = {"SpecialToken": {"id": BOS, "type_id": 0}}
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {BOS: {"id": BOS, "ids": [1], "tokens": [BOS]}},
+    }
+    tokenizer_json.write_text(json.dumps(spec))
+
+
+@pytest.fixture(scope="module")
+def bos_model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bos-model")
+    subprocess.run([sys.executable, "-m", "cli", "random-model", "--preset", "tiny", "--out", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    _prepend_bos(out / "tokenizer.json")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    plain = tokenizer("Hello world", add_special_tokens=False).input_ids
+    assert tokenizer("Hello world").input_ids == [1, *plain]  # the fixture is what it claims
+    return out, tokenizer
+
+
+@pytest.fixture(scope="module")
+def gateway(bos_model):
+    model, _ = bos_model
+    with start_service("verifier", ["--model", str(model), "--log-level", "WARNING"], threads=SERVICE_THREADS) as v:
+        with start_service("gateway", ["--verifier", v.address, "--api-key", KEY, "--log-level", "WARNING"]) as gw:
+            yield f"http://{gw.address}"
+
+
+@pytest.fixture(scope="module")
+def oai(gateway):
+    with openai.OpenAI(base_url=f"{gateway}/v1", api_key=KEY, max_retries=0, timeout=120) as client:
+        yield client
+
+
+def _post(gateway: str, path: str, body: dict, key: str | None = KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{gateway}{path}", json=body, headers=headers, timeout=60)
+
+
+def test_a_text_prompt_gets_the_tokenizers_bos_unless_add_special_tokens_is_false(gateway, oai, bos_model):
+    _, tokenizer = bos_model
+    plain = tokenizer("Hello world", add_special_tokens=False).input_ids
+    default = oai.completions.create(model="", prompt="Hello world", max_tokens=1, temperature=0)
+    without = oai.completions.create(model="", prompt="Hello world", max_tokens=1, temperature=0,
+                                     extra_body={"add_special_tokens": False})
+    assert default.usage.prompt_tokens == len(plain) + 1 and without.usage.prompt_tokens == len(plain)
+    tokenized = _post(gateway, "/tokenize", {"prompt": "Hello world", "return_token_strs": True}).json()
+    assert tokenized["tokens"] == [1, *plain] and tokenized["count"] == len(plain) + 1
+    assert tokenized["token_strs"][0] == BOS and tokenized["max_model_len"] > 0
+    bare = _post(gateway, "/tokenize", {"prompt": "Hello world", "add_special_tokens": False}).json()
+    assert bare["tokens"] == plain and "token_strs" not in bare
+
+
+def test_a_chat_gets_its_templates_tokens_and_tokenize_counts_what_the_request_sends(gateway, oai, bos_model):
+    _, tokenizer = bos_model
+    messages = [{"role": "user", "content": "Hi there"}]
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    reply = oai.chat.completions.create(model="", messages=messages, max_tokens=1, temperature=0)
+    tokenized = _post(gateway, "/tokenize", {"messages": messages}).json()
+    assert tokenized["tokens"] == expected and reply.usage.prompt_tokens == len(expected)
+    doubled = _post(gateway, "/tokenize", {"messages": messages, "add_special_tokens": True}).json()
+    assert doubled["tokens"] == [1, *expected]  # the template's text, then the tokenizer's BOS in front
+    with_bos = oai.chat.completions.create(model="", messages=messages, max_tokens=1, temperature=0,
+                                           extra_body={"add_special_tokens": True})
+    assert with_bos.usage.prompt_tokens == len(expected) + 1
+
+
+def test_detokenize_inverts_tokenize_and_bad_input_is_a_400_naming_the_field(gateway):
+    ids = _post(gateway, "/tokenize", {"prompt": "The quick brown fox", "add_special_tokens": False}).json()["tokens"]
+    assert _post(gateway, "/detokenize", {"tokens": ids}).json() == {"prompt": "The quick brown fox"}
+    cases = [("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+             ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+             ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+             ("/tokenize", {}, 400, "prompt"),
+             ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 400, "prompt"),
+             ("/tokenize", {"prompt": "x", "unknown_field": 1}, 400, "unknown_field"),
+             ("/tokenize", {"prompt": "x", "model": "another-model"}, 404, "model")]
+    for path, body, status, param in cases:
+        got = _post(gateway, path, body)
+        assert got.status_code == status and got.json()["error"]["param"] == param, (path, body, got.text)
+
+
+def test_tokenize_and_detokenize_need_the_api_key_as_the_v1_routes(gateway):
+    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [5]})):
+        assert _post(gateway, path, body, key=None).status_code == 401
+        assert _post(gateway, path, body, key="wrong").status_code == 401
+        assert _post(gateway, path, body).status_code == 200
