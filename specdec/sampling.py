@@ -264,6 +264,9 @@ def apply_token_filters(logits: torch.Tensor, params: SamplingParams) -> torch.T
         ids = torch.tensor([t for t, _ in bias], device=logits.device)
         logits = logits.index_add(-1, ids, torch.tensor([b for _, b in bias], dtype=logits.dtype,
                                                         device=logits.device).expand(*logits.shape[:-1], -1))
+        # Saturate as the penalties do: a bias near float32's maximum is valid, and divided by a
+        # temperature below 1 it overflowed to inf, whose softmax is NaN (the request failed).
+        logits = torch.where(logits == -math.inf, logits, logits.clamp(-LOGIT_BOUND, LOGIT_BOUND))
     return logits
 
 

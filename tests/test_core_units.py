@@ -55,6 +55,17 @@ def test_logit_bias_and_allowed_token_ids_are_applied_to_the_raw_logits_as_vllm(
     assert sampling_from_pb(sampling_to_pb(SamplingParams())).allowed_token_ids is None
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.01, 0.5, 1.0])
+def test_a_bias_near_float32s_maximum_saturates_instead_of_overflowing(temperature):
+    """A bias of 3e38 is a valid float32; divided by a temperature below 1 the logit was inf
+    and the softmax NaN, and the request failed INTERNAL on both services."""
+    logits = torch.tensor([[1.0, 4.0, 3.0, 2.0, 0.0]])
+    out = process_logits(logits, SamplingParams(temperature=temperature, logit_bias={2: 3e38, 1: -3e38}))
+    assert torch.isfinite(out).all() and int(out.argmax()) == 2
+    if temperature > 0:  # a distribution: all its mass on the biased token
+        assert float(out[0, 2]) == 1.0 and float(out[0, 1]) == 0.0
+
+
 @pytest.mark.parametrize("field,kwargs", [
     ("logit_bias", {"logit_bias": {-1: 1.0}}), ("logit_bias", {"logit_bias": {1: float("nan")}}),
     ("logit_bias", {"logit_bias": {"5": 1.0}}), ("logit_bias", {"logit_bias": [(1, 1.0), (1, 2.0)]}),
