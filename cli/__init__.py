@@ -11,10 +11,15 @@ import logging
 import os
 import sys
 
-from specdec.argtypes import AddressList, add_client_security_args, gamma_arg, port, positive  # noqa: F401
+from specdec.argtypes import MAX_WAIT_MS, AddressList, add_client_security_args, gamma_arg, port, positive  # noqa: F401
 from specdec.errors import SpecDecError
 
 DEFAULT_PORTS = {"drafter": 50051, "verifier": 50052, "gateway": 8000}
+MAX_THREADS_PER_CPU = 4  # --threads above this many per CPU is a typo, not oversubscription
+
+
+def _cpus() -> int:
+    return os.cpu_count() or 1
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,13 +55,14 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
         p.add_argument("--backend", default="model", choices=["model", "ngram"],
                        help="model: draft with --model's weights; ngram: prompt lookup, no weights (--model gives only "
                             "the tokenizer, vocabulary, EOS ids and context)")
-        p.add_argument("--ngram-min", type=positive("--ngram-min", zero=True), default=1,
-                       help="--backend ngram: shortest suffix n-gram looked up")
-        p.add_argument("--ngram-max", type=positive("--ngram-max", zero=True), default=4,
-                       help="--backend ngram: longest suffix n-gram looked up (the longest match wins)")
+        p.add_argument("--ngram-min", type=positive("--ngram-min", zero=True), default=None,
+                       help="--backend ngram: shortest suffix n-gram looked up (default 1)")
+        p.add_argument("--ngram-max", type=positive("--ngram-max", zero=True), default=None,
+                       help="--backend ngram: longest suffix n-gram looked up, the longest match wins (default 4)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port("--port"), default=DEFAULT_PORTS[role], help="0 picks a free port")
-    p.add_argument("--threads", type=positive("--threads", zero=True), default=0,
+    # Bounded: torch starts one OpenMP thread per unit, and 100000 exhausted the host's threads.
+    p.add_argument("--threads", type=positive("--threads", zero=True, maximum=MAX_THREADS_PER_CPU * _cpus()), default=0,
                    help="torch intra-op threads (0 = all cores; the services alternate, so each may use all)")
     p.add_argument("--max-draft-tokens", type=positive("--max-draft-tokens", zero=True), default=16,
                    help="largest gamma a request may ask for (bounds memory per request)")
@@ -66,18 +72,19 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="KV memory of all sessions (each holds a static --max-model-len slot); LRU eviction beyond")
     p.add_argument("--max-model-len", type=positive("--max-model-len", zero=True), default=None,
                    help="KV positions per session (default: min(model's maximum, 2048))")
-    p.add_argument("--max-batch-size", type=positive("--max-batch-size", zero=True), default=32,
+    p.add_argument("--max-batch-size", type=positive("--max-batch-size"), default=32,
                    help="requests of different sessions run in one forward")
     p.add_argument("--max-num-batched-tokens", type=positive("--max-num-batched-tokens"), default=None,
                    help="tokens one engine step runs (vLLM's name): longer prompts are prefilled in chunks between "
                         "the other sessions' steps (default: 256 on CPU, 2048 on CUDA)")
-    p.add_argument("--max-wait-ms", type=float, default=10.0,
+    p.add_argument("--max-wait-ms", type=positive("--max-wait-ms", float, zero=True, maximum=MAX_WAIT_MS), default=10.0,
                    help="how long a non-full batch waits for more requests, only while batches hold > 1 request")
-    p.add_argument("--session-ttl-s", type=float, default=600.0, help="idle sessions are closed after this")
+    p.add_argument("--session-ttl-s", type=positive("--session-ttl-s", float), default=600.0,
+                   help="idle sessions are closed after this")
     p.add_argument("--evict-after-idle-s", type=positive("--evict-after-idle-s", float, zero=True), default=2.0,
                    help="when full, a new session evicts the least recently used one idle at least this long "
-                        "(a generation between rounds is idle for milliseconds); none: RESOURCE_EXHAUSTED, "
-                        "and clients queue. 0: evict any session without a call in flight")
+                        "(a generation between rounds is idle for milliseconds); when no session is, new ones "
+                        "get RESOURCE_EXHAUSTED and clients queue. 0: evict any session without a call in flight")
     if role == "verifier":
         p.add_argument("--speculative-disable-by-batch-size", type=positive("--speculative-disable-by-batch-size",
                                                                             zero=True), default=None,
@@ -213,11 +220,15 @@ def _serve(args: argparse.Namespace, role: str) -> int:
                           sampler_backend=getattr(args, "sampler_backend", "auto"),
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           speculative_disable_by_batch_size=_disable_by_batch_size(args))
+    ngram = {k: v for k, v in (("n_min", getattr(args, "ngram_min", None)), ("n_max", getattr(args, "ngram_max", None)))
+             if v is not None}
+    if ngram and args.backend != "ngram":
+        raise ValueError("--ngram-min and --ngram-max go with --backend ngram")
     if role == "drafter" and args.backend == "ngram":
         from drafter_service.ngram_engine import NgramDrafterEngine
         from drafter_service.server import run
 
-        engine = NgramDrafterEngine(spec, config, n_min=args.ngram_min, n_max=args.ngram_max)
+        engine = NgramDrafterEngine(spec, config, **ngram)
     elif role == "drafter":
         from drafter_service.engine import DrafterEngine
         from drafter_service.server import run
@@ -228,9 +239,8 @@ def _serve(args: argparse.Namespace, role: str) -> int:
         from verifier_service.server import run
 
         engine = VerifierEngine(spec, config)
-    run(engine, args.host, args.port, grace_s=args.grace_s, metrics_port=args.metrics_port, tls_cert=args.tls_cert,
-        tls_key=args.tls_key, tls_ca=args.tls_ca, auth_token_file=args.auth_token_file)
-    return 0
+    return run(engine, args.host, args.port, grace_s=args.grace_s, metrics_port=args.metrics_port,
+               tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca, auth_token_file=args.auth_token_file)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 
+MAX_WAIT_MS = 60_000.0  # --max-wait-ms above this is a typo (inf overflowed queue.get and stopped the engine)
 
-def positive(name: str, kind=int, zero: bool = False):
-    """An argparse type: a number > 0 (>= 0 with zero=True)."""
+
+def positive(name: str, kind=int, zero: bool = False, maximum: float | None = None):
+    """An argparse type: a number > 0 (>= 0 with zero=True), at most `maximum` if given
+    (NaN is never one; inf only without a maximum)."""
     def parse(text: str):
         try:
             value = kind(text)
@@ -16,6 +19,8 @@ def positive(name: str, kind=int, zero: bool = False):
             raise argparse.ArgumentTypeError(f"{name} must be {what}, got {text!r}") from None
         if not (value >= 0 if zero else value > 0):
             raise argparse.ArgumentTypeError(f"{name} must be {'>=' if zero else '>'} 0, got {text!r}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{name} must be <= {maximum:g}, got {text!r}")
         return value
 
     return parse

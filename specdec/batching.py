@@ -42,6 +42,9 @@ from typing import Any, Callable
 
 import torch
 
+from specdec.argtypes import MAX_WAIT_MS
+from specdec.errors import EngineStopped
+
 log = logging.getLogger(__name__)
 
 
@@ -56,8 +59,8 @@ class BatchPolicy:
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
-        if self.max_wait_ms < 0:
-            raise ValueError(f"--max-wait-ms must be >= 0, got {self.max_wait_ms}")
+        if not 0 <= self.max_wait_ms <= MAX_WAIT_MS:  # NaN fails this too
+            raise ValueError(f"--max-wait-ms must be in [0, {MAX_WAIT_MS:.0f}], got {self.max_wait_ms}")
 
 
 @dataclass
@@ -97,6 +100,11 @@ class BatchScheduler:
         self._queue: queue.Queue[WorkItem | None] = queue.Queue()
         self._last_batch_size = 0
         self._last_step_s = 0.0  # how long the last batch ran
+        # Set when the engine thread ended on an error: every request then fails at once
+        # (EngineStopped), and the server watching it stops serving (adapters.serve).
+        self.stopped = threading.Event()
+        self.error: BaseException | None = None
+        self._in_hand: list[WorkItem] = []  # the batch being collected or run
         self._thread = threading.Thread(target=self._loop, name=f"{name}-engine", daemon=True)
         self._thread.start()
 
@@ -110,6 +118,8 @@ class BatchScheduler:
         items = [WorkItem(p, gathered=gathered) for p in payloads]
         for item in items:
             self._queue.put(item)
+        if self.error is not None:  # after the put: the dying thread's sweep may have run already
+            self._fail_queued()
         return [item.future for item in items]
 
     def shutdown(self) -> None:
@@ -124,6 +134,7 @@ class BatchScheduler:
         """`carried` (unfinished items of the last batch) first; then, with carried work, only
         what is queued already: a chunked prefill never waits for company."""
         batch = [*carried, first] if first is not None else list(carried)
+        self._in_hand = batch  # appended to below: what an engine failure must fail besides the queue
         wait_ms = self.policy.max_wait_ms if self._last_batch_size > 1 and not carried else 0.0
         if first is not None and first.gathered:  # a client's step: its other rows come after its turnaround
             wait_ms = min(wait_ms, GATHERED_WAIT_SHARE * 1000 * self._last_step_s)
@@ -165,6 +176,29 @@ class BatchScheduler:
         return self._queue.get()
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - outside a batch: the engine cannot go on
+            log.critical("the engine thread stopped: %r", exc, exc_info=True)
+            self.error = exc
+            for item in self._in_hand:
+                if not item.future.done():
+                    item.future.set_exception(EngineStopped(f"the engine stopped on an error ({exc!r})"))
+            self._fail_queued()
+            self.stopped.set()
+
+    def _fail_queued(self) -> None:
+        """Fail every queued request with EngineStopped (the engine is gone)."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and not item.future.done():
+                item.future.set_exception(EngineStopped(f"the engine stopped on an error ({self.error!r}); "
+                                                        "this replica serves nothing more"))
+
+    def _serve(self) -> None:
         if self._threads:
             torch.set_num_threads(self._threads)
         carried: list[WorkItem] = []
@@ -200,5 +234,6 @@ class BatchScheduler:
             # Drop this batch's references before blocking for the next one: a request holds
             # its session, hence its KV slot, and a slot pool gets it back only when the
             # last reference goes.
+            self._in_hand = carried
             del first, batch, item
 

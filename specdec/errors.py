@@ -31,6 +31,11 @@ class ResourceExhausted(SpecDecError):
     """No room for another session or for the requested length (RESOURCE_EXHAUSTED)."""
 
 
+class EngineStopped(SpecDecError):
+    """The engine thread stopped on an error: nothing more can run here (UNAVAILABLE, so a
+    client tries another replica; the process exits)."""
+
+
 SHOWN_ID_CHARS = 64  # the ids the session store issues are 32 hex characters
 
 

@@ -13,7 +13,8 @@ from typing import Callable
 
 import grpc
 
-from specdec.errors import InvalidArgument, OutOfRange, ResourceExhausted, SessionBusy, SessionNotFound, SpecDecError
+from specdec.errors import (EngineStopped, InvalidArgument, OutOfRange, ResourceExhausted, SessionBusy, SessionNotFound,
+                            SpecDecError)
 from specdec.proposals import DENSE, IDS_ONLY, SPARSE, Proposal, ProposalFormat
 from specdec.sampling import SamplingParams
 from specdec.serving import EngineLoad, ModelInfo, ServingModel
@@ -36,6 +37,7 @@ STATUS_OF = {
     SessionNotFound: grpc.StatusCode.NOT_FOUND,
     SessionBusy: grpc.StatusCode.FAILED_PRECONDITION,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    EngineStopped: grpc.StatusCode.UNAVAILABLE,
 }
 _KIND_TO_PB = {DENSE: pb.DENSE, SPARSE: pb.SPARSE_TOP_N, IDS_ONLY: pb.IDS_ONLY}
 _KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
@@ -315,15 +317,25 @@ def _start_reaper(engine: ServingModel, server: grpc.Server) -> None:
     server.stop = stop_all  # type: ignore[method-assign]
 
 
-def run_until_signal(server: grpc.Server, grace_s: float = 5.0) -> None:
-    """Block until SIGINT / SIGTERM, then drain: NOT_SERVING, new calls UNAVAILABLE,
-    in-flight calls (a round each) finish; returns within about grace_s."""
+def run_until_signal(server: grpc.Server, grace_s: float = 5.0, engine_stopped: threading.Event | None = None) -> int:
+    """Block until SIGINT / SIGTERM, or until the engine thread stops on an error
+    (`engine_stopped`), then drain: NOT_SERVING, new calls UNAVAILABLE, in-flight calls (a
+    round each) finish; returns within about grace_s: the exit status, 1 after an engine
+    failure. A replica whose engine is gone must not stay up answering health checks
+    SERVING and holding every call until its deadline: it exits, for its supervisor to restart."""
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
+    if engine_stopped is not None:
+        threading.Thread(target=lambda: (engine_stopped.wait(), done.set()), name="engine-watch", daemon=True).start()
     done.wait()
-    log.info("shutdown signal received; draining for up to %.1f s", grace_s)
+    failed = engine_stopped is not None and engine_stopped.is_set()
+    if failed:
+        log.critical("the engine stopped on an error; draining for up to %.1f s, then exiting", grace_s)
+    else:
+        log.info("shutdown signal received; draining for up to %.1f s", grace_s)
     server.stop(grace_s).wait()
+    return 1 if failed else 0
 
 
 def load_to_pb(load: EngineLoad) -> pb.EngineLoad:

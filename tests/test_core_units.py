@@ -308,6 +308,44 @@ def test_batched_counter_draws_equal_per_row_draws_and_are_uniform():
     assert stats.chisquare(biased).pvalue < 0.001
 
 
+def test_an_engine_thread_that_stops_fails_every_request_at_once_and_says_so():
+    """An error outside a batch (here the batching wait's `expected` callback; in the field,
+    `--max-wait-ms inf` overflowing queue.get) ended the engine thread silently: the
+    requests it held and every later one waited for ever, and the server answered health
+    checks SERVING. Now they fail with EngineStopped (UNAVAILABLE: a client tries another
+    replica), `stopped` is set, and run_until_signal drains and returns exit status 1."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from specdec.batching import BatchPolicy, BatchScheduler
+    from specdec.errors import EngineStopped
+    from specdec_rpc.adapters import STATUS_OF, run_until_signal
+
+    calls = []
+
+    def expected() -> int:
+        calls.append(1)
+        raise OverflowError("timestamp out of range for platform time_t")
+
+    def run_batch(items):
+        for it in items:
+            it.future.set_result(it.payload)
+
+    sched = BatchScheduler(run_batch, BatchPolicy(max_batch_size=8, max_wait_ms=50), expected=expected)
+    assert [f.result(10) for f in sched.submit_many([1, 2])] == [1, 2]  # the first batch waits for nothing
+    held = sched.submit_many([3, 4])  # a batch of 2 came before: this one waits, and `expected` fails
+    assert sched.stopped.wait(10) and calls
+    for f in held + sched.submit_many([5]):
+        with pytest.raises(EngineStopped, match="OverflowError"):
+            f.result(10)
+    assert STATUS_OF[EngineStopped] == grpc.StatusCode.UNAVAILABLE
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    assert run_until_signal(server, 0.1, sched.stopped) == 1  # returns at once: the engine stopped before
+
+
 def test_the_engine_waits_for_unary_stragglers_but_not_for_a_clients_step_message():
     """After a batch of several, a lone unary call waits (max_wait_ms) for the other running
     sessions' calls to share its step; a row of a client's step message (VerifyBatch /

@@ -247,7 +247,9 @@ def test_a_folder_of_tokenizer_files_alone_is_a_tokenizer(tmp_path):
                                   "result file in no directory", "negative grace", "negative warm-up",
                                   "dataset that is a directory", "openai bench against no server",
                                   "recovery timeout 0", "health of a host without a port",
-                                  "random lengths without the random dataset"])
+                                  "random lengths without the random dataset", "an infinite batch wait",
+                                  "threads far past the cores", "a session ttl of nan",
+                                  "n-gram lengths without the n-gram backend"])
 def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path):
     """Flags that cannot serve, files that are not what their flag needs, a device torch cannot
     use, a service that is not there: each is refused by name, before any model loads."""
@@ -280,6 +282,13 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path):
                               "-1"], 2, "--warmup-requests must be >= 0"),
         "dataset that is a directory": (["bench", "serve", "--verifier", "127.0.0.1:1", "--target-only", "--dataset",
                                          str(tmp_path)], 2, "is a directory"),
+        # inf overflowed queue.get on the engine thread, which stopped: every call then hung
+        "an infinite batch wait": (["verifier", "--max-wait-ms", "inf"], 2, "--max-wait-ms must be <= 60000"),
+        # torch started an OpenMP thread each: 100000 exhausted the host's threads
+        "threads far past the cores": (["verifier", "--threads", "100000"], 2, "--threads must be <="),
+        "a session ttl of nan": (["drafter", "--session-ttl-s", "nan"], 2, "--session-ttl-s must be > 0"),
+        "n-gram lengths without the n-gram backend": (["drafter", "--ngram-min", "3"], 2,
+                                                      "--ngram-min and --ngram-max go with --backend ngram"),
         # they were ignored: the run measured the default dataset
         "random lengths without the random dataset": (["bench", "serve", "--verifier", "127.0.0.1:1", "--target-only",
                                                         "--random-input-len", "64"], 2,

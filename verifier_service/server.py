@@ -153,9 +153,10 @@ def start(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0, **kwar
     return serve(engine, lambda s: pb_grpc.add_VerifierServicer_to_server(VerifierServicer(engine), s), host, port, **kwargs)
 
 
-def run(engine: VerifierEngine, host: str, port: int, grace_s: float = 5.0, **serve_kwargs) -> None:
-    """Serve until SIGINT / SIGTERM (prints the bound address first); serve_kwargs: TLS,
-    auth and metrics options of adapters.serve."""
+def run(engine: VerifierEngine, host: str, port: int, grace_s: float = 5.0, **serve_kwargs) -> int:
+    """Serve until SIGINT / SIGTERM or an engine failure (prints the bound address first);
+    returns the exit status. serve_kwargs: TLS, auth and metrics options of adapters.serve."""
     server, _ = start(engine, host, port, **serve_kwargs)
-    run_until_signal(server, grace_s)
+    status = run_until_signal(server, grace_s, engine.scheduler.stopped)
     engine.shutdown()
+    return status
