@@ -176,6 +176,10 @@ class Upstream:
         self.config = config
         self.client: SpeculativeClient | None = None
         self.last_error: str | None = "not connected yet"
+        # The last attempt reached the services and found a pair that cannot work together
+        # (tokenizers, vocabularies): requests are answered at once, not after waiting for a
+        # connection that retrying alone will not bring (a redeploy may; retries go on).
+        self.incompatible = False
         self._factory = client_factory or _make_client
         self._tokenizers = _TokenizerCopies()
         self._chars_per_token: tuple[SpeculativeClient, int] | None = None  # (client, longest vocabulary entry)
@@ -184,6 +188,7 @@ class Upstream:
         # Not bound to a loop until first awaited (Python >= 3.10): the app may build this object
         # before uvicorn starts its loop.
         self._ready = asyncio.Event()  # set once `client` is
+        self._attempt = asyncio.Event()  # set (and replaced) after each failed connection attempt
         self._waiter_arrived = asyncio.Event()  # cuts the connection loop's backoff short
         self._waiting = 0  # requests in wait_ready now
         self._reconnect: asyncio.Future | None = None  # connect_forever after a redeploy (_stale)
@@ -204,13 +209,16 @@ class Upstream:
                 detail = (f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError)
                           else f"{type(exc).__name__}: {exc}")
                 if self.last_error != detail:
-                    log.warning("upstream not ready (verifier=%s drafter=%s): %s; retrying", self.config.verifier,
-                                self.config.drafter, detail)
-                self.last_error = detail
+                    log.log(logging.ERROR if isinstance(exc, IncompatibleModels) else logging.WARNING,
+                            "upstream not ready (verifier=%s drafter=%s): %s; retrying", self.config.verifier,
+                            self.config.drafter, detail)
+                self.last_error, self.incompatible = detail, isinstance(exc, IncompatibleModels)
+                attempt, self._attempt = self._attempt, asyncio.Event()
+                attempt.set()  # waiting requests look at the outcome
                 await self._pause(delay)
                 delay = min(2 * delay, _CONNECT_RETRY_S[1])
                 continue
-            self.last_error = None
+            self.last_error, self.incompatible = None, False
             self._ready.set()
             info = self.client.verifier_info
             log.info("upstream ready verifier=%s model=%s max_context=%d drafter=%s", self.config.verifier,
@@ -232,17 +240,32 @@ class Upstream:
         if self.client is not None:
             return self.client
         bound = self.config.recovery_timeout_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + bound
         self._waiting += 1
         self._waiter_arrived.set()
         try:
-            await asyncio.wait_for(self._ready.wait(), bound)
-        except asyncio.TimeoutError:
-            raise APIError(503, f"the gateway waited {bound:g} s for its connection to the upstream verifier "
-                                f"({self.config.verifier}) and it is still not reachable: {self.last_error}",
-                           type="service_unavailable", code="upstream_unavailable") from None
+            while self.client is None:
+                if self.incompatible:
+                    raise self._incompatible_error()
+                if loop.time() >= deadline:
+                    raise APIError(503, f"the gateway waited {bound:g} s for its connection to the upstream verifier "
+                                        f"({self.config.verifier}) and it is still not reachable: {self.last_error}",
+                                   type="service_unavailable", code="upstream_unavailable")
+                waits = {asyncio.ensure_future(self._ready.wait()), asyncio.ensure_future(self._attempt.wait())}
+                try:
+                    await asyncio.wait(waits, timeout=deadline - loop.time(), return_when=asyncio.FIRST_COMPLETED)
+                finally:  # also when the request is cancelled (its client left)
+                    for task in waits:
+                        task.cancel()
         finally:
             self._waiting -= 1
         return self.require()
+
+    def _incompatible_error(self) -> APIError:
+        return APIError(503, f"the upstream services cannot serve together (verifier {self.config.verifier}, drafter "
+                             f"{self.config.drafter}): {self.last_error}; the gateway keeps retrying, for a redeploy",
+                        type="service_unavailable", code="upstream_incompatible")
 
     def require(self) -> SpeculativeClient:
         if self.client is None:
@@ -254,7 +277,7 @@ class Upstream:
         """(whether some verifier answers now, per-server detail). Drafters are reported but
         do not decide: without them generations continue target-only."""
         if self.client is None:
-            return False, {"status": "connecting", "error": self.last_error}
+            return False, {"status": "incompatible" if self.incompatible else "connecting", "error": self.last_error}
         client = self.client
 
         def probe_all() -> dict:

@@ -93,6 +93,29 @@ def test_a_request_to_an_unreachable_upstream_gets_a_503_saying_what_it_waited_f
 
 
 @pytest.mark.slow
+def test_a_pair_that_cannot_serve_together_is_a_503_at_once_naming_why_not_a_wait(verifier_proc, drafter_proc):
+    """Both services answer but cannot work as configured (here each address given as the
+    other's role: the same IncompatibleModels as mismatched tokenizers). The gateway started,
+    then answered every request after --recovery-timeout-s with "not reachable"; now at once,
+    saying why, and /health says `incompatible`."""
+    with start_service("gateway", ["--verifier", drafter_proc.address, "--drafter", verifier_proc.address,
+                                   "--recovery-timeout-s", "60", "--log-level", "WARNING"]) as gw:
+        with _openai(gw, 90) as oai:
+            start = time.monotonic()
+            with pytest.raises(openai.APIStatusError) as caught:
+                oai.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            assert time.monotonic() - start < 20  # the first connection attempt's answer, not the 60 s wait
+            assert caught.value.status_code == 503 and caught.value.body["code"] == "upstream_incompatible"
+            assert "does not serve the verifier API" in caught.value.body["message"]
+            start = time.monotonic()
+            with pytest.raises(openai.APIStatusError) as again:  # later requests: at once
+                oai.models.list()
+            assert again.value.status_code == 503 and time.monotonic() - start < 2
+        health = httpx.get(f"http://{gw.address}/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "incompatible"
+
+
+@pytest.mark.slow
 def test_health_answers_at_once_while_connecting_and_models_waits_like_a_completion(unreachable_gateway):
     url = f"http://{unreachable_gateway.address}"
     start = time.monotonic()
