@@ -1038,7 +1038,7 @@ class SpeculativeClient:
             # Off the round's path: the rounds go on elsewhere. A hung server's close waited its
             # whole deadline there (+5 s to every failover); it is retried while the server does
             # not answer, since one that resumes still holds the session (its KV until the TTL).
-            self._held(self._close_quietly(server.astub, session_id, retries=2))
+            self._held(self._close_quietly(server.astub, session_id, retry_for_s=_LOST_CLOSE_RETRY_S))
 
     async def _end_verifier(self, link: "_Link") -> None:
         """Close the session and wait for it. A generation cancelled meanwhile (a caller that
@@ -1068,16 +1068,21 @@ class SpeculativeClient:
             return
         await self._close_quietly(server.astub, opened.session_id)
 
-    async def _close_quietly(self, stub, session_id: str, retries: int = 0) -> None:
-        """CloseSession, retried `retries` times (5 s, then 10 s apart) while it runs past its deadline."""
-        for attempt in range(retries + 1):
+    async def _close_quietly(self, stub, session_id: str, retry_for_s: float = 0.0) -> None:
+        """CloseSession; while the server does not answer (DEADLINE_EXCEEDED, or UNAVAILABLE:
+        a keepalive timeout against a frozen server), retried for up to `retry_for_s` (5 s
+        apart, doubling to 60 s) unless the client closes."""
+        waited, delay = 0.0, 5.0
+        while True:
             try:
                 await stub.CloseSession(pb.CloseSessionRequest(session_id=session_id),
                                         timeout=min(self.timeout_s, 5.0))
                 return
             except grpc.RpcError as exc:  # the session expires on the server anyway
-                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and attempt < retries and not self._closed:
-                    await asyncio.sleep(5.0 * (attempt + 1))
+                unanswered = exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+                if unanswered and waited + delay <= retry_for_s and not self._closed:
+                    await asyncio.sleep(delay)
+                    waited, delay = waited + delay, min(2 * delay, 60.0)
                     continue
                 # After a restart or an eviction the session is simply gone: nothing to report.
                 expected = exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
@@ -1099,7 +1104,11 @@ _VERIFIER_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLIN
                             grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED})
 # A lost session that the server may still hold (it answered with its own failure, or the
 # call ran past its deadline): closed in the background, or it would hold its KV for the TTL.
-_MAY_STILL_EXIST = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED})
+# UNAVAILABLE too: a server frozen past the keepalive timeout ("ping timeout") still holds the
+# session when it resumes, for its TTL (a hunt froze one for 25 s: 4 sessions held 10 minutes).
+_MAY_STILL_EXIST = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED,
+                              grpc.StatusCode.UNAVAILABLE})
+_LOST_CLOSE_RETRY_S = 300.0  # how long a lost session's close is retried: half the default session TTL
 _POLL_S = 0.25  # how often a generation waiting for a verifier looks at the pool again
 _REFUSED_POLL_S = 0.02  # the first wait after a verifier refused a session (doubling to _POLL_S)
 

@@ -363,7 +363,9 @@ def test_a_hung_verifier_is_failed_over_within_the_keepalive_not_the_calls_deadl
     port). With the default deadline (60 s) and recovery window (10 s) the generation used to
     wait 60 s, then fail, the healthy verifier never tried (the window had started before the
     call). The channel's keepalive now notices within ~20 s, the session moves, and the output
-    is target-only's."""
+    is target-only's. Once the process resumes, the session it still holds is closed by the
+    client's background retries (UNAVAILABLE "ping timeout" is no proof it is gone), not left
+    for its 10-minute TTL."""
     import signal
 
     hung = start_service("verifier", ARGS, threads=1)
@@ -380,6 +382,12 @@ def test_a_hung_verifier_is_failed_over_within_the_keepalive_not_the_calls_deadl
             hung.proc.send_signal(signal.SIGSTOP)
             threads[0].join(120)
             waited = time.monotonic() - stopped
+            hung.proc.send_signal(signal.SIGCONT)
+            with grpc.insecure_channel(hung.address) as channel:
+                stub = pb_grpc.VerifierStub(channel)
+                assert stub.GetStats(pb.StatsRequest(), timeout=30).live_sessions == 1  # the lost one, still held
+                wait_for(lambda: stub.GetStats(pb.StatsRequest(), timeout=30).live_sessions == 0, 60,
+                         "the resumed verifier's lost session to be closed")
         result = results[0]
         assert isinstance(result, GenerationResult), result
         assert result.token_ids == expected
