@@ -351,7 +351,7 @@ def _add_gateway_parser(sub) -> None:
                     help="speculation cache: the drafter pre-drafts the next round for its top-F bonus candidates")
     gw.add_argument("--max-concurrent-requests", type=positive("--max-concurrent-requests"), default=64,
                     help="generations run at once, each with a session on each side; more requests "
-                         "wait for a slot")
+                         "wait for a slot, up to --timeout-s (then 503 server_busy)")
     gw.add_argument("--timeout-s", type=positive("--timeout-s", float), default=60.0,
                     help="deadline of every upstream call")
     gw.add_argument("--recovery-timeout-s", type=positive("--recovery-timeout-s", float), default=10.0,

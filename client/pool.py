@@ -158,6 +158,14 @@ class ServerPool(Generic[StubT]):
         with self._lock:
             server.disabled, server.info = reason, None
 
+    def retry_by(self, when: float) -> None:
+        """Make every down server due for a retry by `when` (clock time) at the latest: a
+        caller's last try before its deadline, whatever the backoff left."""
+        with self._lock:
+            for s in self.servers:
+                if s.disabled is None and s.down and not s.probing:
+                    s.retry_at = min(s.retry_at, when)
+
     def wait_s(self) -> float | None:
         """Seconds until `pick` may find a server (0: now); None if every server is disabled."""
         with self._lock:

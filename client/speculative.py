@@ -876,6 +876,7 @@ class SpeculativeClient:
         deadline = time.monotonic() + self.recovery_timeout_s
         lost_from = link.lost_from
         refused_since, poll = None, _REFUSED_POLL_S
+        last_try = False  # made at the deadline when the backoff would put the next one past it
         while True:
             refused: list[grpc.RpcError] = []
             errors = await self._open_session(self.verifiers, link, _VERIFIER_LOST, self._check_verifier, refused)
@@ -904,11 +905,18 @@ class SpeculativeClient:
                 deadline = time.monotonic() + self.recovery_timeout_s
                 continue
             error = error or (errors[0] if errors else None)
+            now = time.monotonic()  # before wait_s reads the clock: a try due at the deadline is within it
             wait = self.verifiers.wait_s()
             if wait is None:
                 raise IncompatibleModels("no verifier of the pool serves the client's model any more: " + "; ".join(
                     f"{s.address}: {s.disabled}" for s in self.verifiers.servers))
-            if time.monotonic() + wait > deadline:
+            if now + wait > deadline:
+                if not last_try and now < deadline:
+                    # A verifier back within the window was given up on because its backoff (up
+                    # to 4 s) put its next try past the deadline: try once more at the deadline.
+                    self.verifiers.retry_by(deadline)
+                    last_try = True
+                    continue
                 if error is None:
                     raise NoServerAvailable(f"no verifier could be tried within {self.recovery_timeout_s:g} s (each "
                                             "was down at its last try and is not due for another yet)")

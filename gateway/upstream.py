@@ -132,6 +132,25 @@ def upstream_error(exc: BaseException) -> APIError:
 _END = object()
 
 
+async def _acquire(slots: asyncio.Semaphore, wait_s: float) -> bool:
+    """slots.acquire() within wait_s: whether it was taken. A permit taken just as the wait
+    ends (or as the request is cancelled) is given back, never lost."""
+    taking = asyncio.ensure_future(slots.acquire())
+
+    def drop() -> None:
+        taking.cancel()  # no effect if it was taken already: then the callback gives it back
+        taking.add_done_callback(lambda t: slots.release() if not t.cancelled() and t.exception() is None else None)
+
+    try:
+        done, _ = await asyncio.wait({taking}, timeout=wait_s)
+    except BaseException:
+        drop()
+        raise
+    if not done:
+        drop()
+    return bool(done)
+
+
 @dataclass(eq=False)
 class Generation:
     """One request's generation: a task on the gateway's loop; its chunks arrive through `next()`."""
@@ -141,12 +160,20 @@ class Generation:
     _task: asyncio.Task | None = None
 
     async def run(self, client: SpeculativeClient, prompt_ids: list[int], params: SamplingParams,
-                  gamma: int | str, fanout: int, slots: asyncio.Semaphore) -> None:
-        """The task's body: waits for a slot, then relays the client's chunks."""
+                  gamma: int | str, fanout: int, slots: asyncio.Semaphore, slot_wait_s: float) -> None:
+        """The task's body: waits for a slot (at most slot_wait_s, then 503 server_busy: a
+        queue without a bound held a request 55 s behind one long generation), then relays
+        the client's chunks."""
         try:
-            async with slots:
+            if not await _acquire(slots, slot_wait_s):
+                raise APIError(503, f"every one of the gateway's generation slots (--max-concurrent-requests) was "
+                                    f"busy for {slot_wait_s:g} s; retry later", type="service_unavailable",
+                               code="server_busy")
+            try:
                 async for chunk in client.astream(prompt_ids, params, num_speculative_tokens=gamma, fanout=fanout):
                     self._queue.put_nowait(chunk)
+            finally:
+                slots.release()
         except Exception as exc:  # noqa: BLE001 - handed to the request's handler
             self._queue.put_nowait(exc)
         finally:
@@ -361,7 +388,8 @@ class Upstream:
         # A seeded request reproduces under "auto" too: the client derives its γ schedule from its
         # own rounds only (specdec/adaptive.py, AdaptiveGamma.deterministic).
         gamma = self.config.num_speculative_tokens if client.drafters is not None else 0  # no drafter: target-only
-        gen._task = asyncio.ensure_future(gen.run(client, prompt_ids, params, gamma, self.config.fanout, self._slots))
+        gen._task = asyncio.ensure_future(gen.run(client, prompt_ids, params, gamma, self.config.fanout, self._slots,
+                                                  self.config.timeout_s))
         gen._task.add_done_callback(lambda _: self._generations.discard(gen))
         return gen
 

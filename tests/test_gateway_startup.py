@@ -116,6 +116,30 @@ def test_a_pair_that_cannot_serve_together_is_a_503_at_once_naming_why_not_a_wai
 
 
 @pytest.mark.slow
+def test_a_request_queued_for_a_generation_slot_past_timeout_s_is_a_503_not_a_long_wait(verifier_proc):
+    """--max-concurrent-requests 1: a second request waited, unbounded, for the first one's
+    whole generation (55 s in a hunt, answered 200). It now waits at most --timeout-s for a
+    slot, then gets 503 server_busy; the running generation is not disturbed."""
+    with start_service("gateway", ["--verifier", verifier_proc.address, "--max-concurrent-requests", "1",
+                                   "--timeout-s", "3", "--log-level", "WARNING"]) as gw:
+        with _openai(gw, 120) as oai:
+            stream = oai.completions.create(model="", prompt="Once upon a time", max_tokens=200, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+            chunks = iter(stream)
+            next(chunks)  # the first generation holds the only slot now
+            start = time.monotonic()
+            with pytest.raises(openai.APIStatusError) as busy:
+                oai.completions.create(model="", prompt="Hi", max_tokens=2)
+            waited = time.monotonic() - start
+            assert busy.value.status_code == 503 and busy.value.body["code"] == "server_busy", busy.value.body
+            assert 2.5 <= waited < 10, waited
+            rest = list(chunks)
+            assert rest and rest[-1].choices[0].finish_reason == "length"
+            done = oai.completions.create(model="", prompt="Hi", max_tokens=2)  # the slot is free again
+            assert done.usage.completion_tokens == 2
+
+
+@pytest.mark.slow
 def test_health_answers_at_once_while_connecting_and_models_waits_like_a_completion(unreachable_gateway):
     url = f"http://{unreachable_gateway.address}"
     start = time.monotonic()

@@ -156,6 +156,27 @@ def test_a_due_server_is_retried_off_the_path_while_another_is_up():
     assert pool.claim_due(always=True) == [a, b]
 
 
+def test_a_last_try_at_the_deadline_overrides_the_backoff():
+    """A generation waiting for its verifier gave up as soon as the backoff (up to 4 s) put the
+    next try past its recovery deadline, though the verifier came back within it: retry_by
+    makes every down server due by the deadline for one last try."""
+    clock = FakeClock()
+    pool = _pool(2, clock)
+    a, b = pool.pick(), pool.pick()
+    for server in (a, b):
+        pool.release(server)
+        for _ in range(5):
+            server.probing = True  # each failure a probe's: the backoff doubles up to the cap
+            pool.failed(server)
+    assert pool.wait_s() > 2.0
+    pool.retry_by(clock.now + 1.5)
+    assert pool.wait_s() == 1.5 and pool.pick() is None
+    clock.now += 1.5
+    assert pool.pick() in (a, b)
+    pool.retry_by(clock.now + 100.0)  # never later than the backoff's own time
+    assert pool.wait_s() <= BACKOFF_MAX_S
+
+
 def test_sessions_lost_in_one_outage_do_not_compound_the_backoff():
     clock = FakeClock()
     pool = _pool(1, clock)
