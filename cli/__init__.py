@@ -92,6 +92,9 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
                             "(vLLM's name; 0 = never: the clients' adaptive gamma decides alone). Default: 2 on a "
                             "CPU, where a drafter and a verifier sharing the cores oversubscribe them as soon as "
                             "sessions draft and verify at once; 0 on CUDA")
+        p.add_argument("--max-streams", type=positive("--max-streams", zero=True), default=64,
+                       help="VerifyStreams served at once (one per client process: gateway, bench); each holds a "
+                            "server thread for its life. Past it clients send VerifyBatch calls")
         p.add_argument("--sampler-backend", default="auto", choices=["auto", "torch", "triton"],
                        help="batched speculative sampler: the fused Triton kernel (CUDA; auto picks it when triton "
                             "imports) or torch ops; both emit the same tokens for the same seed")
@@ -240,7 +243,8 @@ def _serve(args: argparse.Namespace, role: str) -> int:
 
         engine = VerifierEngine(spec, config)
     return run(engine, args.host, args.port, grace_s=args.grace_s, metrics_port=args.metrics_port,
-               tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca, auth_token_file=args.auth_token_file)
+               tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca, auth_token_file=args.auth_token_file,
+               **({"max_streams": args.max_streams} if role == "verifier" else {}))
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:

@@ -165,6 +165,15 @@ class VerifyBatcher:
             for batch in unanswered:
                 self._spawn(self._call(batch))
             return
+        if exc is not None and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not answered:
+            # The verifier serves as many streams as it has workers for (--max-streams): this
+            # client's steps go as VerifyBatch calls, and a stream is tried again in a minute.
+            log.info("verifier %s refused a VerifyStream (%s); VerifyBatch calls for a while", self._name,
+                     exc.details())
+            self._front, self._stream_again_at = "batch", time.monotonic() + STREAM_RETRY_S
+            for batch in unanswered:
+                self._spawn(self._call(batch))
+            return
         if exc is not None and exc.code() == grpc.StatusCode.INTERNAL and not answered and self._front == "stream":
             # A first write racing a server that ends the call at once (no VerifyStream: UNIMPLEMENTED)
             # can come back as INTERNAL "Failed execute_batch" instead. Its steps go as VerifyBatch

@@ -250,6 +250,7 @@ def serve(
     port: int,
     *,
     max_workers: int | None = None,
+    stream_workers: int = 0,
     announce: bool = True,
     tls_cert: str | None = None,
     tls_key: str | None = None,
@@ -268,8 +269,10 @@ def serve(
     auth_tokens = tuple(load_tokens(auth_token_file)) if auth_token_file else ()
     ops = ServerOps(engine, auth_tokens=auth_tokens, metrics_port=metrics_port)
     # Each in-flight call holds a worker while its batch runs: a full batch needs a full batch
-    # of workers, plus room for session and stats calls.
-    workers = max_workers or 2 * engine.config.max_batch_size + 8
+    # of workers, plus room for session and stats calls; and each long-lived stream holds one
+    # for its life (`stream_workers`, the most the servicer admits), apart from those: streams
+    # that took them all wedged the server, health checks included.
+    workers = max_workers or 2 * engine.config.max_batch_size + 8 + stream_workers
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
                          options=CHANNEL_OPTIONS + SERVER_OPTIONS, interceptors=ops.interceptors())
     add_servicer(server)

@@ -483,3 +483,45 @@ async def _aenumerate(items):
     async for item in items:
         yield i, item
         i += 1
+
+
+def test_streams_past_max_streams_are_refused_and_their_clients_send_verifybatch_calls():
+    """Each VerifyStream holds a server worker for its life. Idle streams of ten clients took
+    every worker of a `--max-batch-size 1` verifier (2 × 1 + 8), after which health checks,
+    GetModelInfo and OpenSession all timed out. Streams are now capped (--max-streams) with
+    workers of their own: past the cap a stream is refused RESOURCE_EXHAUSTED, the server keeps
+    answering, and a batching client falls back to VerifyBatch calls with the same output."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from client.launcher import start_service
+    from client.speculative import SpeculativeClient
+    from specdec.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    with start_service("verifier", ["--max-batch-size", "1", "--max-streams", "2", "--log-level", "WARNING"],
+                       threads=1) as verifier:
+        channel = grpc.insecure_channel(verifier.address, options=CHANNEL_OPTIONS)
+        stub = pb_grpc.VerifierStub(channel)
+        outboxes = [queue.SimpleQueue() for _ in range(12)]  # more idle streams than the pool had workers
+        streams = [stub.VerifyStream(iter(box.get, None)) for box in outboxes]
+        try:
+            refused = 0
+            for s in streams[2:]:
+                with pytest.raises(grpc.RpcError) as caught:
+                    next(s)
+                assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, caught.value
+                assert "--max-streams" in caught.value.details()
+                refused += 1
+            assert refused == 10
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            with SpeculativeClient(verifier.address, batch_verify=True) as client:
+                batched = client.generate("The capital of France is", greedy, target_only=True).token_ids
+                assert {b._front for b in client._batchers.values()} == {"batch"}
+            with SpeculativeClient(verifier.address) as client:
+                assert client.generate("The capital of France is", greedy, target_only=True).token_ids == batched
+        finally:
+            for box, s in zip(outboxes, streams):
+                box.put(None)
+                s.cancel()
+            channel.close()

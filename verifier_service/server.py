@@ -21,11 +21,17 @@ from verifier_service.engine import VerifierEngine, VerifyCall, VerifyOut
 log = logging.getLogger(__name__)
 
 STREAM_SLACK_ENTRIES = 256  # beyond the sessions a server admits: a client's batch of stale or bad entries
+DEFAULT_MAX_STREAMS = 64  # VerifyStreams at once: one per client process (gateway, bench, batch_verify client)
 
 
 class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
-    def __init__(self, engine: VerifierEngine) -> None:
+    def __init__(self, engine: VerifierEngine, max_streams: int = DEFAULT_MAX_STREAMS) -> None:
         self.engine = engine
+        # Each stream holds a server worker for its life (adapters.serve reserves this many);
+        # past the cap a new one is refused RESOURCE_EXHAUSTED and its client sends VerifyBatch
+        # calls instead, which hold a worker only while their step runs.
+        self.max_streams = max_streams
+        self._streams = threading.BoundedSemaphore(max_streams)
 
     @rpc_method
     def Verify(self, request, context):
@@ -50,6 +56,16 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
         sessions. Unbounded, its messages piled up in memory (1 GB per 300 messages of 2,000
         entries). A healthy client never reaches the window: each of its sessions has at most one
         round in flight."""
+        if not self._streams.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"this verifier serves at most {self.max_streams} VerifyStreams at once (--max-streams); "
+                          "send VerifyBatch calls")
+        try:
+            yield from self._stream(request_iterator, context)
+        finally:
+            self._streams.release()
+
+    def _stream(self, request_iterator, context):
         owner = caller_owner(context)
         begun: queue.SimpleQueue = queue.SimpleQueue()  # (tag, BatchInFlight, entries) in arrival order; None: ended
         window = self._stream_window()
@@ -149,8 +165,10 @@ def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, "Verify failed on the server; see its log"
 
 
-def start(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0, **kwargs):
-    return serve(engine, lambda s: pb_grpc.add_VerifierServicer_to_server(VerifierServicer(engine), s), host, port, **kwargs)
+def start(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0, max_streams: int = DEFAULT_MAX_STREAMS,
+          **kwargs):
+    return serve(engine, lambda s: pb_grpc.add_VerifierServicer_to_server(VerifierServicer(engine, max_streams), s),
+                 host, port, stream_workers=max_streams, **kwargs)
 
 
 def run(engine: VerifierEngine, host: str, port: int, grace_s: float = 5.0, **serve_kwargs) -> int:
