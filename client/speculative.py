@@ -354,6 +354,7 @@ class SpeculativeClient:
         if isinstance(prompt, str):
             if chat:
                 return self.encode_chat([{"role": "user", "content": prompt}], tokenizer=tokenizer)
+            _check_text(prompt, "prompt")
             return list((tokenizer or self.tokenizer)(prompt, add_special_tokens=add_special_tokens).input_ids)
         if isinstance(prompt, Sequence) and prompt and all(isinstance(m, Mapping) for m in prompt):
             return self.encode_chat(prompt, tokenizer=tokenizer)
@@ -396,6 +397,8 @@ class SpeculativeClient:
                 raise ValueError(f"messages[{i}] must be a dict with a string 'role', got {m!r}")
             if not isinstance(m.get("content"), (str, list)) and not m.get("tool_calls"):
                 raise ValueError(f"messages[{i}] ({m['role']}) needs a 'content' string, got {m.get('content')!r}")
+            if isinstance(m["content"], str):
+                _check_text(m["content"], f"messages[{i}].content")
         tokenizer = tokenizer or self.tokenizer
         try:
             ids = tokenizer.apply_chat_template(
@@ -1097,6 +1100,16 @@ class SpeculativeClient:
                 log.log(logging.DEBUG if expected else logging.WARNING, "CloseSession %s failed: %s", session_id,
                         exc.code())
                 return
+
+
+def _check_text(text: str, what: str) -> None:
+    """Text a tokenizer can take: valid Unicode. A lone surrogate (JSON's "\ud800", or the bytes
+    of a command-line argument that is not UTF-8) failed deep in the tokenizer with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode text: {exc.object[exc.start]!r} at character {exc.start} "
+                         "(a lone surrogate, or bytes that are not UTF-8)") from None
 
 
 # Status codes after which a side's session is gone or its server unreachable. Anything

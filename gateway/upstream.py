@@ -67,7 +67,10 @@ class UpstreamConfig:
 
 class _TokenizerCopies:
     """Copies of the current client's tokenizer, one per encoding in progress (made on demand,
-    kept for reuse; a new client's replace them). Thread-safe."""
+    up to MAX_IDLE kept for reuse; a new client's replace them). Thread-safe."""
+
+    # A spike of 200 requests made ~40 copies (anyio's thread limit), ~5 MB each, kept for good.
+    MAX_IDLE = 8
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -85,7 +88,7 @@ class _TokenizerCopies:
 
     def give_back(self, client, tokenizer) -> None:
         with self._lock:
-            if self._client is client and tokenizer is not None:
+            if self._client is client and tokenizer is not None and len(self._idle) < self.MAX_IDLE:
                 self._idle.append(tokenizer)
 
 

@@ -370,6 +370,13 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
         return info.value
     if case == "missing key":
         return httpx.post(f"{base_url}/v1/chat/completions", json={"model": model, "messages": messages})
+    if case in ("a lone surrogate in the prompt", "a lone surrogate in a message"):  # valid JSON, not valid text
+        path, body = (("/v1/completions", '{"prompt": "hi \\ud800 there", "max_tokens": 2}') if "prompt" in case
+                      else ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi \\ud800"}]}'))
+        reply = httpx.post(f"{base_url}{path}", content=body.encode(),
+                           headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+        assert "not valid Unicode" in reply.json()["error"]["message"], reply.text  # not the tokenizer's TypeError
+        return reply
     client = oai if case != "wrong key" else openai.OpenAI(base_url=f"{base_url}/v1", api_key="wrong", max_retries=0)
     kwargs = {"unknown model": {"model": "no-such-model"}, "n=0": {"n": 0}, "n past 64 choices": {"n": 65},
               "temperature=-1": {"temperature": -1},
@@ -432,6 +439,8 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
     ("logit_bias past the vocabulary", 400, "logit_bias", None),
     ("allowed_token_ids past the vocabulary", 400, "allowed_token_ids", None),
     ("allowed_token_ids all masked by min_tokens", 400, "allowed_token_ids", None),
+    ("a lone surrogate in the prompt", 400, "prompt", None),
+    ("a lone surrogate in a message", 400, "messages", None),
 ])
 def test_bad_request_gets_its_status_and_openai_error_body_and_the_gateway_keeps_serving(
         oai, model, base_url, case, status, param, code):
@@ -793,5 +802,9 @@ def test_concurrent_encodings_get_their_own_tokenizer_copy_and_reuse_it(tokenize
     for t in threads:
         t.join()
     assert not errors
+    spike = [copies.take(client) for _ in range(3 * copies.MAX_IDLE)]  # a burst of concurrent encodings
+    for tok in spike:
+        copies.give_back(client, tok)
+    assert len(copies._idle) == copies.MAX_IDLE  # the burst's copies are not all kept for good
     other = types.SimpleNamespace(tokenizer=tokenizer)
     assert copies.take(other) is not first  # a new client's copies start afresh
