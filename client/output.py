@@ -151,7 +151,8 @@ class OutputProcessor:
             text, self.finished, result.finish_reason, result.stop_reason = text[:end], True, "stop", stop
         # The bytes of an incomplete character (U+FFFD) are never shown: held back while the
         # generation runs, dropped at its end where max_tokens cut one (as vLLM's detokenizer).
-        stable = text = text.rstrip("\ufffd")
+        # Before a stop string they are bytes no continuation completes: invalid ones, kept.
+        stable = text = text if found is not None else text.rstrip("\ufffd")
         if not self.finished and params.stop:  # before min_tokens too: a stop string may end past it
             hold = max(map(len, params.stop)) - 1
             stable = stable[:max(len(self._emitted), len(stable) - hold)]

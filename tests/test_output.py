@@ -160,6 +160,18 @@ def test_a_character_cut_by_max_tokens_is_not_shown(tokenizer):
     assert out.result.finish_reason == "length" and out.result.text == "ok " == "".join(c.text for c in chunks)
 
 
+def test_invalid_bytes_just_before_a_stop_string_are_kept_as_the_tokenizer_decodes_them(tokenizer):
+    """An emoji's first byte token, then "STOP": those bytes are no character and nothing can
+    complete them. The stop string's cut left them at the end of the text, where the strip of
+    an incomplete character (meant for a max_tokens cut) removed them: text no longer matched
+    token_ids' decoding."""
+    ids = _ids(tokenizer, "🍕")[:1] + _ids(tokenizer, "STOP now")
+    assert tokenizer.decode(ids).startswith("\ufffdSTOP")
+    out = _processor(tokenizer, max_tokens=50, stop=["STOP"])
+    chunks = _rounds(out, [[i] for i in ids])
+    assert out.result.finish_reason == "stop" and out.result.text == "\ufffd" == "".join(c.text for c in chunks)
+
+
 def test_an_incomplete_utf8_character_is_held_until_complete(tokenizer):
     ids = _ids(tokenizer, "🦙 llama")
     out = _processor(tokenizer, max_tokens=len(ids))
