@@ -272,13 +272,14 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                         "in the result)")
     p.add_argument("--acceptance-method", default="rejection", choices=["rejection", "greedy", "typical"],
                    help="typical acceptance is not lossless")
-    p.add_argument("--posterior-threshold", type=float, default=0.09)
-    p.add_argument("--posterior-alpha", type=float, default=0.3)
+    p.add_argument("--posterior-threshold", type=float, default=None, help="--acceptance-method typical (default 0.09)")
+    p.add_argument("--posterior-alpha", type=float, default=None, help="--acceptance-method typical (default 0.3)")
     p.add_argument("--proposal", default=None, choices=["dense", "sparse", "ids"],
                    help="wire form of q (default: ids when greedy, else dense)")
     p.add_argument("--proposal-dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="dtype of q's probabilities on the wire (default float32; alone: a dense q of this dtype)")
-    p.add_argument("--top-n", type=int, default=64, help="tokens kept by --proposal sparse")
+    p.add_argument("--top-n", type=int, default=None,
+                   help="tokens kept by --proposal sparse (default 64; alone: a sparse q of this many)")
     p.add_argument("--num-speculative-tokens", type=gamma_arg, default="auto",
                    help="gamma, drafts per round, or 'auto' (default: per round in [0, 8], for goodput from the "
                         "measured acceptance and the load and step costs the services report)")
@@ -297,7 +298,8 @@ def _params(args: argparse.Namespace):
                           min_tokens=args.min_tokens, repetition_penalty=args.repetition_penalty,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                           logprobs=args.logprobs, acceptance_method=args.acceptance_method,
-                          posterior_threshold=args.posterior_threshold, posterior_alpha=args.posterior_alpha,
+                          **{k: v for k, v in (("posterior_threshold", args.posterior_threshold),
+                                               ("posterior_alpha", args.posterior_alpha)) if v is not None},
                           logit_bias=dict(args.logit_bias), allowed_token_ids=args.allowed_token_ids)
 
 
@@ -314,16 +316,34 @@ def proposal_format(args: argparse.Namespace):
     """The --proposal flags as a ProposalFormat, or None for the client's default."""
     from specdec.proposals import ProposalFormat
 
-    if args.proposal is None and args.proposal_dtype is None:
+    if args.proposal is None and args.proposal_dtype is None and args.top_n is None:
         return None
-    # A dtype alone is a dense q of that dtype (greedy and typical rounds send ids whatever is asked).
-    return ProposalFormat(kind=args.proposal or "dense", dtype=args.proposal_dtype or "float32", top_n=args.top_n)
+    if args.top_n is not None and args.proposal not in (None, "sparse"):
+        raise ValueError(f"--top-n goes with --proposal sparse, not --proposal {args.proposal}")
+    # A dtype alone is a dense q of that dtype, a --top-n alone a sparse one (greedy and typical
+    # rounds send ids whatever is asked).
+    kind = args.proposal or ("sparse" if args.top_n is not None else "dense")
+    return ProposalFormat(kind=kind, dtype=args.proposal_dtype or "float32",
+                          **({"top_n": args.top_n} if args.top_n is not None else {}))
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if not args.target_only and not args.drafter:
         parser.error("argument --drafter: required unless --target-only")
+    # Flags that would change nothing are refused, as bench's are, rather than silently ignored.
+    if args.target_only:
+        drafting = [flag for flag, given in (("--num-speculative-tokens", args.num_speculative_tokens != "auto"),
+                                             ("--fanout", args.fanout), ("--proposal", args.proposal),
+                                             ("--proposal-dtype", args.proposal_dtype), ("--top-n", args.top_n))
+                    if given]
+        if drafting:
+            parser.error(f"{', '.join(drafting)}: drafting flags, and --target-only drafts nothing")
+    if args.acceptance_method != "typical" and (args.posterior_threshold, args.posterior_alpha) != (None, None):
+        parser.error("--posterior-threshold and --posterior-alpha go with --acceptance-method typical")
+    if args.proposal == "ids" and args.temperature > 0 and args.acceptance_method == "rejection":
+        print("specdec generate: warning: --proposal ids at a temperature > 0 is exact but sends the drafter's argmax "
+              "as a one-hot q: acceptance falls (dense or sparse keeps it)", file=sys.stderr)
     try:
         params = _params(args)
     except SpecDecError as exc:

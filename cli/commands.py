@@ -110,6 +110,9 @@ def gateway_command(args: argparse.Namespace) -> int:
     from gateway.server import serve
     from specdec_rpc.ops import read_token
 
+    if not args.drafter and (args.fanout or args.num_speculative_tokens != "auto"):
+        raise ValueError("--num-speculative-tokens and --fanout need a --drafter (without one the gateway decodes "
+                         "target-only)")
     logging.basicConfig(level=args.log_level.upper(),
                         format="ts=%(asctime)s role=gateway level=%(levelname)s logger=%(name)s %(message)s")
     upstream = UpstreamConfig(

@@ -249,7 +249,8 @@ def test_a_folder_of_tokenizer_files_alone_is_a_tokenizer(tmp_path):
                                   "recovery timeout 0", "health of a host without a port",
                                   "random lengths without the random dataset", "an infinite batch wait",
                                   "threads far past the cores", "a session ttl of nan",
-                                  "n-gram lengths without the n-gram backend"])
+                                  "n-gram lengths without the n-gram backend", "drafting flags with --target-only",
+                                  "typical's thresholds without typical", "a gateway's fanout without a drafter"])
 def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path):
     """Flags that cannot serve, files that are not what their flag needs, a device torch cannot
     use, a service that is not there: each is refused by name, before any model loads."""
@@ -289,6 +290,14 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path):
         "a session ttl of nan": (["drafter", "--session-ttl-s", "nan"], 2, "--session-ttl-s must be > 0"),
         "n-gram lengths without the n-gram backend": (["drafter", "--ngram-min", "3"], 2,
                                                       "--ngram-min and --ngram-max go with --backend ngram"),
+        # each was accepted and changed nothing
+        "drafting flags with --target-only": (["generate", "--verifier", "127.0.0.1:1", "--prompt", "x", "--target-only",
+                                               "--fanout", "2"], 2, "--target-only drafts nothing"),
+        "typical's thresholds without typical": (["generate", "--verifier", "127.0.0.1:1", "--drafter", "127.0.0.1:2",
+                                                  "--prompt", "x", "--posterior-threshold", "0.5"], 2,
+                                                 "go with --acceptance-method typical"),
+        "a gateway's fanout without a drafter": (["gateway", "--verifier", "127.0.0.1:1", "--fanout", "3"], 2,
+                                                 "need a --drafter"),
         # they were ignored: the run measured the default dataset
         "random lengths without the random dataset": (["bench", "serve", "--verifier", "127.0.0.1:1", "--target-only",
                                                         "--random-input-len", "64"], 2,
@@ -325,6 +334,10 @@ def test_a_proposal_dtype_alone_is_a_dense_proposal_of_that_dtype():
     assert (fmt("--proposal-dtype", "float16").kind, fmt("--proposal-dtype", "float16").dtype) == ("dense", "float16")
     sparse = fmt("--proposal", "sparse", "--top-n", "8")
     assert (sparse.kind, sparse.dtype, sparse.top_n) == ("sparse", "float32", 8)
+    alone = fmt("--top-n", "5")  # was ignored too: a dense q went out
+    assert (alone.kind, alone.top_n) == ("sparse", 5) and fmt("--proposal", "sparse").top_n == 64
+    with pytest.raises(ValueError, match="--top-n goes with --proposal sparse"):
+        fmt("--proposal", "dense", "--top-n", "5")
 
 
 def test_generate_takes_vllms_logit_bias_and_allowed_token_ids():
