@@ -252,7 +252,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_token
         max_field, max_tokens = "max_completion_tokens", req.max_completion_tokens
     if prompt_tokens >= max_context:
         raise bad_request(prompt_field, f"This model's maximum context length is {max_context} tokens. However, your "
-                                        f"{prompt_field} has {prompt_tokens} tokens, which leaves no room for a "
+                                        f"{prompt_field} {'have' if prompt_field == 'messages' else 'has'} "
+                                        f"{prompt_tokens} tokens, which leaves no room for a "
                                         "completion.", code="context_length_exceeded")
     if max_tokens is None:
         # an unset max_tokens never makes a prompt that fits fail: the default shrinks to the room left

@@ -375,7 +375,8 @@ class Upstream:
             return
         if per_token and chars > max_context * per_token:
             raise APIError(400, f"This model's maximum context length is {max_context} tokens. However, your {param} "
-                                f"has more: {chars} characters, and no token holds more than {per_token}.",
+                                f"{'have' if param == 'messages' else 'has'} more: {chars} characters, and no token "
+                                f"holds more than {per_token}.",
                            param=param, code="context_length_exceeded")
 
     def decode_token(self, token_id: int) -> str:
