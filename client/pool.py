@@ -15,6 +15,7 @@ also spread over the pool.
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 import time
 from dataclasses import dataclass
@@ -85,6 +86,7 @@ class ServerPool(Generic[StubT]):
             server.index = i
         self._clock = clock
         self._lock = threading.Lock()
+        self._queue: collections.deque[object] = collections.deque()  # wait_for_room's tickets, first come first
 
     def __len__(self) -> int:
         return len(self.servers)
@@ -178,17 +180,29 @@ class ServerPool(Generic[StubT]):
         with self._lock:
             return self._all_full()
 
+    def queued(self) -> int:
+        """Generations waiting in `wait_for_room` now."""
+        return len(self._queue)
+
     async def wait_for_room(self, timeout_s: float) -> bool:
-        """Wait (on the client's event loop) until a session is given back while `full()`, or
-        timeout_s passes; False if it is still full then. (The queue in front of full servers,
-        as vLLM's waiting queue.) Polls: room frees when a generation ends, seconds apart."""
+        """Wait (on the client's event loop) until this caller is first in line and a server
+        has room, or timeout_s passes; False then. (The queue in front of full servers, first
+        come first served as vLLM's waiting queue: waiters that all polled took a freed session
+        in whatever order they woke, and a request sent 3 s later finished 12 s sooner.) The
+        caller picks its server before its next await, so the next in line sees the room taken.
+        Polls: room frees when a generation ends, seconds apart."""
         deadline = time.monotonic() + timeout_s  # real time (not the backoff's clock)
-        while self.full():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            await asyncio.sleep(min(left, _ROOM_POLL_S))
-        return True
+        ticket = object()
+        self._queue.append(ticket)
+        try:
+            while self._queue[0] is not ticket or self.full():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                await asyncio.sleep(min(left, _ROOM_POLL_S))
+            return True
+        finally:
+            self._queue.remove(ticket)
 
     def _all_full(self) -> bool:  # under the lock
         enabled = [s for s in self.servers if s.disabled is None]

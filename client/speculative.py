@@ -877,10 +877,18 @@ class SpeculativeClient:
         out the pool's backoff for up to recovery_timeout_s, then raising `error` (the call
         that lost the previous session) or the first connection error. The caller re-prefills."""
         deadline = time.monotonic() + self.recovery_timeout_s
+        queue_deadline = time.monotonic() + self.timeout_s  # one bound on queueing, however many turns it takes
         lost_from = link.lost_from
         refused_since, poll = None, _REFUSED_POLL_S
         last_try = False  # made at the deadline when the backoff would put the next one past it
+        in_line = False  # this generation has had its turn in the pool's queue
         while True:
+            if not in_line and self.verifiers.queued():
+                # Others wait for room: a newcomer takes its place behind them, first come first served.
+                in_line = True
+                if not await self.verifiers.wait_for_room(max(0.0, queue_deadline - time.monotonic())):
+                    raise TimeoutError(f"every verifier held its maximum of sessions for {self.timeout_s:g} s "
+                                       f"({self.verifiers.live_sessions()}); raise --max-sessions or add verifiers")
             refused: list[grpc.RpcError] = []
             errors = await self._open_session(self.verifiers, link, _VERIFIER_LOST, self._check_verifier, refused)
             if link.session_id is not None:
@@ -902,7 +910,8 @@ class SpeculativeClient:
             if not errors and self.verifiers.full():
                 # Queued: every verifier holds all the sessions it admits; one frees when a
                 # generation ends. (Picking one anyway would evict an idle session to re-prefill.)
-                if not await self.verifiers.wait_for_room(self.timeout_s):
+                in_line = True
+                if not await self.verifiers.wait_for_room(max(0.0, queue_deadline - time.monotonic())):
                     raise TimeoutError(f"every verifier held its maximum of sessions for {self.timeout_s:g} s "
                                        f"({self.verifiers.live_sessions()}); raise --max-sessions or add verifiers")
                 deadline = time.monotonic() + self.recovery_timeout_s

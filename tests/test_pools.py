@@ -177,6 +177,40 @@ def test_a_last_try_at_the_deadline_overrides_the_backoff():
     assert pool.wait_s() <= BACKOFF_MAX_S
 
 
+def test_generations_queued_for_a_full_pool_get_room_first_come_first_served():
+    """Eight generations queue, 30 ms apart, for a pool whose one server admits one session;
+    each freed session goes to the longest waiting. Polling alone let whichever woke first
+    take it (a hunt: a request sent 3 s later finished 12 s sooner)."""
+    pool = _pool(1)
+    server = pool.servers[0]
+    pool.succeeded(server, SimpleNamespace(max_sessions=1))
+    held = pool.pick()
+    order: list[int] = []
+
+    async def generation(i: int) -> None:
+        assert await pool.wait_for_room(30)
+        assert pool.pick() is server  # picked before the next await: the next in line sees it taken
+        order.append(i)
+        await asyncio.sleep(0.01 * (8 - i))  # shorter and shorter: later waiters poll at other phases
+        pool.release(server)
+
+    async def main() -> None:
+        tasks = []
+        for i in range(8):
+            tasks.append(asyncio.create_task(generation(i)))
+            await asyncio.sleep(0.03)
+        assert pool.queued() == 8
+        pool.release(held)
+        await asyncio.gather(*tasks)
+        assert pool.queued() == 0
+        late = pool.pick()
+        assert not await pool.wait_for_room(0.1)  # full, and the wait is bounded
+        pool.release(late)
+
+    asyncio.run(main())
+    assert order == list(range(8))
+
+
 def test_sessions_lost_in_one_outage_do_not_compound_the_backoff():
     clock = FakeClock()
     pool = _pool(1, clock)
