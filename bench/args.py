@@ -10,7 +10,7 @@ import math
 import os
 import sys
 
-from specdec.argtypes import add_client_security_args, positive as _positive
+from specdec.argtypes import MAX_TIMEOUT_S, add_client_security_args, positive as _positive
 
 
 def _output_file(text: str) -> str:
@@ -129,7 +129,8 @@ def _add_workload_args(p: argparse.ArgumentParser, verifier_required: bool = Tru
                    help="gamma, or 'auto' (default: adaptive per round in [0, 8], goodput under the reported load)")
     p.add_argument("--fanout", type=_positive("--fanout", zero=True), default=0,
                    help="speculation cache: the drafter pre-drafts the next round for its top-F bonus candidates")
-    p.add_argument("--timeout-s", type=_positive("--timeout-s", float), default=60.0, help="deadline of every call")
+    p.add_argument("--timeout-s", type=_positive("--timeout-s", float, maximum=MAX_TIMEOUT_S), default=60.0,
+                   help="deadline of every call")
     p.add_argument("--duration-limit-s", type=_positive("--duration-limit-s", float), default=None,
                    help="hard bound on the run: unsent requests fail, in-flight ones stop after their round")
     p.add_argument("--goodput", type=_goodput_slo, nargs="+", default=[], metavar="NAME:MS",

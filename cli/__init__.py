@@ -11,7 +11,9 @@ import logging
 import os
 import sys
 
-from specdec.argtypes import MAX_WAIT_MS, AddressList, add_client_security_args, gamma_arg, port, positive  # noqa: F401
+from specdec.argtypes import (  # noqa: F401
+    MAX_TIMEOUT_S, MAX_WAIT_MS, AddressList, add_client_security_args, gamma_arg, port, positive,
+)
 from specdec.errors import SpecDecError
 
 DEFAULT_PORTS = {"drafter": 50051, "verifier": 50052, "gateway": 8000}
@@ -365,7 +367,8 @@ def _add_gateway_parser(sub) -> None:
     gw.add_argument("--port", type=port("--port"), default=DEFAULT_PORTS["gateway"],
                     help="0 picks a free port")
     gw.add_argument("--api-key", default=None,
-                    help="clients must send `Authorization: Bearer KEY` on /v1/* (prefer $SPECDEC_GATEWAY_API_KEY: "
+                    help="clients must send `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize (prefer "
+                         "$SPECDEC_GATEWAY_API_KEY: "
                          "a flag shows in ps)")
     gw.add_argument("--served-model-name", nargs="+", default=None,
                     help="model names clients may ask for (the first is reported); default: the verifier's model name")
@@ -376,9 +379,9 @@ def _add_gateway_parser(sub) -> None:
     gw.add_argument("--max-concurrent-requests", type=positive("--max-concurrent-requests"), default=64,
                     help="generations run at once, each with a session on each side; more requests "
                          "wait for a slot, up to --timeout-s (then 503 server_busy)")
-    gw.add_argument("--timeout-s", type=positive("--timeout-s", float), default=60.0,
+    gw.add_argument("--timeout-s", type=positive("--timeout-s", float, maximum=MAX_TIMEOUT_S), default=60.0,
                     help="deadline of every upstream call")
-    gw.add_argument("--recovery-timeout-s", type=positive("--recovery-timeout-s", float), default=10.0,
+    gw.add_argument("--recovery-timeout-s", type=positive("--recovery-timeout-s", float, maximum=MAX_TIMEOUT_S), default=10.0,
                     help="how long a request waits for a lost verifier to come back, or for the first "
                          "connection while the gateway is still connecting, before it fails with 503")
     add_client_security_args(gw)
@@ -413,7 +416,7 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--target-only", action="store_true", help="verifier alone (zero drafts): the baseline")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    g.add_argument("--timeout-s", type=positive("--timeout-s", float), default=60.0,
+    g.add_argument("--timeout-s", type=positive("--timeout-s", float, maximum=MAX_TIMEOUT_S), default=60.0,
                    help="deadline of every call")
     add_client_security_args(g)
     _sampling_args(g)
@@ -424,7 +427,7 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     target.add_argument("--address", help="HOST:PORT of a drafter or verifier")
     target.add_argument("--url", help="HTTP URL of the gateway's health, e.g. http://127.0.0.1:8000/health")
     h.add_argument("--service", default="", help="service name, e.g. specdec.v1.Verifier ('' = the whole server)")
-    h.add_argument("--timeout-s", type=positive("--timeout-s", float), default=5.0)
+    h.add_argument("--timeout-s", type=positive("--timeout-s", float, maximum=MAX_TIMEOUT_S), default=5.0)
     add_client_security_args(h, auth=False)
     # In a service's container its own SPECDEC_TLS_CA / _CERT / _KEY configure the healthcheck too.
     _apply_env_defaults(h, "health")

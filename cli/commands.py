@@ -122,10 +122,10 @@ def gateway_command(args: argparse.Namespace) -> int:
         auth_token=read_token(args.auth_token_file) if args.auth_token_file else None,
         max_concurrent_requests=args.max_concurrent_requests)
     names = args.served_model_name or ()
+    if isinstance(names, str):  # from $SPECDEC_GATEWAY_SERVED_MODEL_NAME: "a b" or "a,b"
+        names = names.replace(",", " ").split() or [""]
     if any(not name.strip() for name in names):
         raise ValueError("--served-model-name: a model name may not be empty")
-    if isinstance(names, str):  # from $SPECDEC_GATEWAY_SERVED_MODEL_NAME: "a b" or "a,b"
-        names = names.replace(",", " ").split()
     config = GatewayConfig(upstream=upstream, api_key=args.api_key or None, served_model_names=tuple(names))
     serve(config, args.host, args.port, grace_s=args.grace_s, ssl_certfile=args.ssl_certfile,
           ssl_keyfile=args.ssl_keyfile, log_level=args.log_level)

@@ -223,6 +223,10 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
         if len(prompts) * n > MAX_CHOICES:
             raise bad_request("n", f"prompts x n = {len(prompts)} x {n} is more than {MAX_CHOICES} generations "
                                    "in one request")
+        slots = config.upstream.max_concurrent_requests
+        if len(prompts) * n > slots:  # its last choices would wait for its first ones' slots, then 503
+            raise bad_request("n", f"prompts x n = {len(prompts)} x {n} generations is more than this gateway runs at "
+                                   f"once (--max-concurrent-requests {slots})")
         max_context, vocab_size = client.verifier_info.max_context, client.verifier_info.vocab_size
         # Choice i is prompt i // n's (vLLM's numbering); its timer counts the prompt's tokens once.
         choices = [(ids, params, j == 0) for ids in prompts

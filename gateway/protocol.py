@@ -39,6 +39,9 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None) -> None:
+        # Echoed request text may hold a lone surrogate (JSON's "\ud800"), which no UTF-8 body can
+        # carry: rendering the error failed with a 500 and a reset connection.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 MAX_WAIT_MS = 60_000.0  # --max-wait-ms above this is a typo (inf overflowed queue.get and stopped the engine)
+MAX_TIMEOUT_S = 86_400.0  # a day: gRPC deadlines past this (inf) failed every call DEADLINE_EXCEEDED
 
 
 def positive(name: str, kind=int, zero: bool = False, maximum: float | None = None):

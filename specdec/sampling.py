@@ -157,6 +157,12 @@ class SamplingParams:
             integer("stop_token_ids", t)
         if not all(isinstance(s, str) for s in self.stop):
             raise InvalidArgument("stop", f"stop strings must be strings, got {self.stop!r}")
+        for s in self.stop:  # a lone surrogate can never be generated: a stop that never matches
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidArgument("stop", f"stop string {s.encode('utf-8', 'backslashreplace').decode()!r} is "
+                                              "not valid Unicode text") from None
         if finite("temperature") < 0:
             raise InvalidArgument("temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
         if not -1 <= self.top_k <= INT32_MAX:

@@ -21,7 +21,8 @@ from tests.conftest import chi_square_pvalue
 @pytest.mark.parametrize(
     "field,value",
     [("temperature", -0.1), ("temperature", 1e308), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0),
-     ("max_tokens", 0), ("seed", -2**63 - 1), ("seed", 2**64)],
+     ("max_tokens", 0), ("seed", -2**63 - 1), ("seed", 2**64),
+     ("stop", ("ok", "\ud800"))],  # a lone surrogate (JSON's "\ud800"): a stop string that never matches
 )
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(InvalidArgument) as err:

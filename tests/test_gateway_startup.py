@@ -137,6 +137,14 @@ def test_a_request_queued_for_a_generation_slot_past_timeout_s_is_a_503_not_a_lo
             assert rest and rest[-1].choices[0].finish_reason == "length"
             done = oai.completions.create(model="", prompt="Hi", max_tokens=2)  # the slot is free again
             assert done.usage.completion_tokens == 2
+            # More choices than slots: its second choice waited for its first one's slot, then 503.
+            with pytest.raises(openai.BadRequestError) as too_many:
+                oai.completions.create(model="", prompt="Hi", max_tokens=2, n=2)
+            assert too_many.value.body["param"] == "n" and "--max-concurrent-requests 1" in too_many.value.message
+        # A lone surrogate echoed in an error: rendering it failed (500, connection reset).
+        odd = httpx.post(f"http://{gw.address}/v1/completions", content=b'{"prompt": "hi", "model": "\\ud800"}',
+                         headers={"Content-Type": "application/json"}, timeout=30)
+        assert odd.status_code == 404 and odd.json()["error"]["param"] == "model", odd.text
 
 
 @pytest.mark.slow
