@@ -181,8 +181,21 @@ class ServerPool(Generic[StubT]):
             return self._all_full()
 
     def queued(self) -> int:
-        """Generations waiting in `wait_for_room` now."""
+        """Generations in line now (in `wait_for_room`, or refused by shared servers)."""
         return len(self._queue)
+
+    def enqueue(self) -> object:
+        """A place at the end of the line (a ticket): give it back with `dequeue`."""
+        ticket = object()
+        self._queue.append(ticket)
+        return ticket
+
+    def first(self, ticket: object) -> bool:
+        return bool(self._queue) and self._queue[0] is ticket
+
+    def dequeue(self, ticket: object) -> None:
+        if ticket in self._queue:
+            self._queue.remove(ticket)
 
     async def wait_for_room(self, timeout_s: float) -> bool:
         """Wait (on the client's event loop) until this caller is first in line and a server
@@ -192,17 +205,16 @@ class ServerPool(Generic[StubT]):
         caller picks its server before its next await, so the next in line sees the room taken.
         Polls: room frees when a generation ends, seconds apart."""
         deadline = time.monotonic() + timeout_s  # real time (not the backoff's clock)
-        ticket = object()
-        self._queue.append(ticket)
+        ticket = self.enqueue()
         try:
-            while self._queue[0] is not ticket or self.full():
+            while not self.first(ticket) or self.full():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 await asyncio.sleep(min(left, _ROOM_POLL_S))
             return True
         finally:
-            self._queue.remove(ticket)
+            self.dequeue(ticket)
 
     def _all_full(self) -> bool:  # under the lock
         enabled = [s for s in self.servers if s.disabled is None]

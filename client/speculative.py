@@ -879,62 +879,82 @@ class SpeculativeClient:
         deadline = time.monotonic() + self.recovery_timeout_s
         queue_deadline = time.monotonic() + self.timeout_s  # one bound on queueing, however many turns it takes
         lost_from = link.lost_from
-        refused_since, poll = None, _REFUSED_POLL_S
+        poll = _REFUSED_POLL_S
         last_try = False  # made at the deadline when the backoff would put the next one past it
         in_line = False  # this generation has had its turn in the pool's queue
-        while True:
-            if not in_line and self.verifiers.queued():
-                # Others wait for room: a newcomer takes its place behind them, first come first served.
-                in_line = True
-                if not await self.verifiers.wait_for_room(max(0.0, queue_deadline - time.monotonic())):
-                    raise TimeoutError(f"every verifier held its maximum of sessions for {self.timeout_s:g} s "
-                                       f"({self.verifiers.live_sessions()}); raise --max-sessions or add verifiers")
-            refused: list[grpc.RpcError] = []
-            errors = await self._open_session(self.verifiers, link, _VERIFIER_LOST, self._check_verifier, refused)
-            if link.session_id is not None:
-                break
-            if refused:
-                # A verifier this client shares with others (other gateways, other processes)
-                # had every session mid-call: it admits one as soon as a call ends and a session
-                # is idle to evict. Queue for up to timeout_s as for this client's own sessions.
-                now = time.monotonic()
-                refused_since = refused_since or now
-                if now - refused_since >= self.timeout_s:
-                    raise TimeoutError(f"every verifier refused a session for {self.timeout_s:g} s (the last: "
-                                       f"{refused[-1].details()}); raise --max-sessions or add verifiers")
-                await asyncio.sleep(min(poll, self.timeout_s - (now - refused_since)))
-                poll = min(2 * poll, _POLL_S)
-                deadline = time.monotonic() + self.recovery_timeout_s
-                continue
-            refused_since, poll = None, _REFUSED_POLL_S
-            if not errors and self.verifiers.full():
-                # Queued: every verifier holds all the sessions it admits; one frees when a
-                # generation ends. (Picking one anyway would evict an idle session to re-prefill.)
-                in_line = True
-                if not await self.verifiers.wait_for_room(max(0.0, queue_deadline - time.monotonic())):
-                    raise TimeoutError(f"every verifier held its maximum of sessions for {self.timeout_s:g} s "
-                                       f"({self.verifiers.live_sessions()}); raise --max-sessions or add verifiers")
-                deadline = time.monotonic() + self.recovery_timeout_s
-                continue
-            error = error or (errors[0] if errors else None)
-            now = time.monotonic()  # before wait_s reads the clock: a try due at the deadline is within it
-            wait = self.verifiers.wait_s()
-            if wait is None:
-                raise IncompatibleModels("no verifier of the pool serves the client's model any more: " + "; ".join(
-                    f"{s.address}: {s.disabled}" for s in self.verifiers.servers))
-            if now + wait > deadline:
-                if not last_try and now < deadline:
-                    # A verifier back within the window was given up on because its backoff (up
-                    # to 4 s) put its next try past the deadline: try once more at the deadline.
-                    self.verifiers.retry_by(deadline)
-                    last_try = True
+        ticket = None  # its place in that queue while shared verifiers refuse it
+        refusal = ""  # the last refusal's details
+        try:
+            while True:
+                if not in_line and ticket is None and self.verifiers.queued():
+                    # Others wait for room: a newcomer takes its place behind them, first come first served.
+                    in_line = True
+                    if not await self.verifiers.wait_for_room(max(0.0, queue_deadline - time.monotonic())):
+                        raise TimeoutError(f"every verifier held its maximum of sessions for {self.timeout_s:g} s "
+                                           f"({self.verifiers.live_sessions()}); raise --max-sessions or add "
+                                           "verifiers")
+                if ticket is not None and not self.verifiers.first(ticket):
+                    # Refused before, and behind generations refused earlier: they try first.
+                    if time.monotonic() >= queue_deadline:
+                        raise TimeoutError(f"every verifier refused a session for {self.timeout_s:g} s (the last: "
+                                           f"{refusal}); raise --max-sessions or add verifiers")
+                    await asyncio.sleep(_REFUSED_POLL_S)
                     continue
-                if error is None:
-                    raise NoServerAvailable(f"no verifier could be tried within {self.recovery_timeout_s:g} s (each "
-                                            "was down at its last try and is not due for another yet)")
-                raise error
-            # In slices: a session another generation re-opens meanwhile clears the backoff.
-            await asyncio.sleep(min(max(wait, 0.01), _POLL_S))
+                refused: list[grpc.RpcError] = []
+                errors = await self._open_session(self.verifiers, link, _VERIFIER_LOST, self._check_verifier,
+                                                  refused)
+                if link.session_id is not None:
+                    break
+                if refused:
+                    # A verifier this client shares with others (other gateways, other processes)
+                    # had every session mid-call: it admits one as soon as a call ends and a session
+                    # is idle to evict. Queue in line, for up to timeout_s, as for this client's own.
+                    ticket = ticket or self.verifiers.enqueue()
+                    refusal = refused[-1].details()
+                    left = queue_deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"every verifier refused a session for {self.timeout_s:g} s (the last: "
+                                           f"{refusal}); raise --max-sessions or add verifiers")
+                    await asyncio.sleep(min(poll, left))
+                    poll = min(2 * poll, _POLL_S)
+                    deadline = time.monotonic() + self.recovery_timeout_s
+                    continue
+                if ticket is not None:  # not refused any more: out of line
+                    self.verifiers.dequeue(ticket)
+                    ticket = None
+                poll = _REFUSED_POLL_S
+                if not errors and self.verifiers.full():
+                    # Queued: every verifier holds all the sessions it admits; one frees when a
+                    # generation ends. (Picking one anyway would evict an idle session to re-prefill.)
+                    in_line = True
+                    if not await self.verifiers.wait_for_room(max(0.0, queue_deadline - time.monotonic())):
+                        raise TimeoutError(f"every verifier held its maximum of sessions for {self.timeout_s:g} s "
+                                           f"({self.verifiers.live_sessions()}); raise --max-sessions or add "
+                                           "verifiers")
+                    deadline = time.monotonic() + self.recovery_timeout_s
+                    continue
+                error = error or (errors[0] if errors else None)
+                now = time.monotonic()  # before wait_s reads the clock: a try due at the deadline is within it
+                wait = self.verifiers.wait_s()
+                if wait is None:
+                    raise IncompatibleModels("no verifier of the pool serves the client's model any more: " +
+                                             "; ".join(f"{s.address}: {s.disabled}" for s in self.verifiers.servers))
+                if now + wait > deadline:
+                    if not last_try and now < deadline:
+                        # A verifier back within the window was given up on because its backoff (up
+                        # to 4 s) put its next try past the deadline: try once more at the deadline.
+                        self.verifiers.retry_by(deadline)
+                        last_try = True
+                        continue
+                    if error is None:
+                        raise NoServerAvailable(f"no verifier could be tried within {self.recovery_timeout_s:g} s "
+                                                "(each was down at its last try and is not due for another yet)")
+                    raise error
+                # In slices: a session another generation re-opens meanwhile clears the backoff.
+                await asyncio.sleep(min(max(wait, 0.01), _POLL_S))
+        finally:
+            if ticket is not None:
+                self.verifiers.dequeue(ticket)
         result.verifier_failovers += _note_server(link, lost_from, result.verifier_addresses)
         if lost_from is not None:
             log.info("verifier session=%s on %s; re-prefilling", link.session_id, link.server.address)

@@ -507,6 +507,42 @@ def test_a_verifier_full_of_other_clients_calls_queues_a_generation_instead_of_f
         svc.kill()
 
 
+def test_generations_refused_by_a_shared_verifier_get_it_in_the_order_they_came():
+    """Another process holds a verifier's only session mid-call, so it refuses ours
+    (RESOURCE_EXHAUSTED). Four generations of one client, arriving 0.1 s apart, each polled
+    on its own and took the session in whatever order they woke (a hunt: the first to come
+    finished 5th of 6). They now wait in the client's line and finish in the order they came."""
+    svc = start_service("verifier", ARGS + ["--max-sessions", "1"], threads=1)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    try:
+        with SpeculativeClient(svc.address) as client:
+            expected = [client.generate(p, params, target_only=True).token_ids for p in PROMPTS[:4]]
+            with grpc.insecure_channel(svc.address) as channel, concurrent.futures.ThreadPoolExecutor(5) as pool:
+                stub = pb_grpc.VerifierStub(channel)
+                other = stub.OpenSession(pb.OpenSessionRequest()).session_id
+                busy = pool.submit(stub.Verify, pb.VerifyRequest(
+                    session_id=other, append_token_ids=[100 + i % 300 for i in range(1500)],
+                    sampling=pb.SamplingParams(temperature=0.0)))
+                time.sleep(0.3)  # the prefill is in flight: OpenSession is refused until it ends
+                finished: list[int] = []
+
+                def one(i: int) -> list[int]:
+                    out = client.generate(PROMPTS[i], params, target_only=True).token_ids
+                    finished.append(i)
+                    return out
+
+                runs = []
+                for i in range(4):
+                    runs.append(pool.submit(one, i))
+                    time.sleep(0.1)
+                outs = [r.result(timeout=120) for r in runs]
+                assert not busy.exception()
+        assert outs == expected
+        assert finished == [0, 1, 2, 3]
+    finally:
+        svc.kill()
+
+
 def test_separate_clients_past_a_verifiers_max_sessions_queue_instead_of_evicting_each_other():
     """Four separate clients (four gateways, say) and a verifier that admits 2 sessions: the
     third and fourth generations wait for a session to end. The verifier evicts only sessions
