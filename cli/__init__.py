@@ -367,9 +367,8 @@ def _add_gateway_parser(sub) -> None:
     gw.add_argument("--port", type=port("--port"), default=DEFAULT_PORTS["gateway"],
                     help="0 picks a free port")
     gw.add_argument("--api-key", default=None,
-                    help="clients must send `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize (prefer "
-                         "$SPECDEC_GATEWAY_API_KEY: "
-                         "a flag shows in ps)")
+                    help="clients must send `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
+                         "(prefer $SPECDEC_GATEWAY_API_KEY: a flag shows in ps)")
     gw.add_argument("--served-model-name", nargs="+", default=None,
                     help="model names clients may ask for (the first is reported); default: the verifier's model name")
     gw.add_argument("--num-speculative-tokens", type=gamma_arg, default="auto",
@@ -381,7 +380,8 @@ def _add_gateway_parser(sub) -> None:
                          "wait for a slot, up to --timeout-s (then 503 server_busy)")
     gw.add_argument("--timeout-s", type=positive("--timeout-s", float, maximum=MAX_TIMEOUT_S), default=60.0,
                     help="deadline of every upstream call")
-    gw.add_argument("--recovery-timeout-s", type=positive("--recovery-timeout-s", float, maximum=MAX_TIMEOUT_S), default=10.0,
+    gw.add_argument("--recovery-timeout-s", type=positive("--recovery-timeout-s", float, maximum=MAX_TIMEOUT_S),
+                    default=10.0,
                     help="how long a request waits for a lost verifier to come back, or for the first "
                          "connection while the gateway is still connecting, before it fails with 503")
     add_client_security_args(gw)
