@@ -397,14 +397,14 @@ class OneDNNLinear(torch.nn.Module):
 
 def onednn_rows(rows: int) -> int:
     """The row count a OneDNNLinear runs `rows` as. oneDNN builds (and caches, up to 1,024) a
-    primitive per input shape: prompts of every length made a verifier grow without bound in
-    practice (+350 MB over 900 random-length requests on a tiny model, still climbing; flat
-    with MKL). Rows above 16 (compute-bound there) are padded to a multiple of 8 up to 64,
-    then of 16: a bounded set of shapes for at most 1/8 more work; decode batches of up to 16
-    rows run exact."""
+    primitive per input shape: prompts of every length grew a verifier by +343 MB over 900
+    random-length requests, still climbing (flat with MKL). Up to 16 rows run exact; past
+    that, rows are padded to a multiple of 2^(bits - 4), i.e. 8 shapes per doubling: a
+    bounded, logarithmic set, for at most 1/8 more work (17-31 rows: multiples of 2; 32-63: of
+    4; 64-127: of 8, ...)."""
     if rows <= 16:
         return rows
-    step = 8 if rows <= 64 else 16
+    step = 1 << (rows.bit_length() - 4)
     return -(-rows // step) * step
 
 
