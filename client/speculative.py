@@ -37,6 +37,7 @@ from client.batching import VerifyBatcher
 from client.output import GenerationResult, OutputProcessor, StreamChunk
 from client.pool import Server, ServerPool, parse_addresses
 from specdec.adaptive import AdaptiveGamma, ServingCosts
+from specdec.errors import invalid_text
 from specdec.models import ModelSpec, load_tokenizer, tokenizer_fingerprint
 from specdec.proposals import DENSE, IDS_ONLY, ProposalFormat
 from specdec.sampling import REJECTION, SamplingParams
@@ -1132,13 +1133,10 @@ class SpeculativeClient:
 
 
 def _check_text(text: str, what: str) -> None:
-    """Text a tokenizer can take: valid Unicode. A lone surrogate (JSON's "\ud800", or the bytes
-    of a command-line argument that is not UTF-8) failed deep in the tokenizer with a TypeError."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"{what} is not valid Unicode text: {exc.object[exc.start]!r} at character {exc.start} "
-                         "(a lone surrogate, or bytes that are not UTF-8)") from None
+    """Text a tokenizer can take: valid Unicode (a lone surrogate failed deep in the tokenizer
+    with a TypeError)."""
+    if (where := invalid_text(text)) is not None:
+        raise ValueError(f"{what} is not valid Unicode text: {where} (a lone surrogate, or bytes that are not UTF-8)")
 
 
 # Status codes after which a side's session is gone or its server unreachable. Anything

@@ -46,3 +46,13 @@ def display_id(session_id: str) -> str:
     if len(session_id) <= SHOWN_ID_CHARS:
         return repr(session_id)
     return f"{session_id[:SHOWN_ID_CHARS]!r}... ({len(session_id)} characters)"
+
+
+def invalid_text(text: str) -> str | None:
+    """Where `text` is no valid Unicode, e.g. "'\\ud800' at character 3" (a lone surrogate:
+    JSON's "\\ud800", or bytes of a command-line argument that are not UTF-8); None if it is."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"{exc.object[exc.start]!r} at character {exc.start}"
+    return None

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, invalid_text
 
 STREAM_DRAFT = 1
 STREAM_VERIFY = 2
@@ -158,11 +158,8 @@ class SamplingParams:
         if not all(isinstance(s, str) for s in self.stop):
             raise InvalidArgument("stop", f"stop strings must be strings, got {self.stop!r}")
         for s in self.stop:  # a lone surrogate can never be generated: a stop that never matches
-            try:
-                s.encode("utf-8")
-            except UnicodeEncodeError:
-                raise InvalidArgument("stop", f"stop string {s.encode('utf-8', 'backslashreplace').decode()!r} is "
-                                              "not valid Unicode text") from None
+            if (where := invalid_text(s)) is not None:
+                raise InvalidArgument("stop", f"a stop string is not valid Unicode text: {where}")
         if finite("temperature") < 0:
             raise InvalidArgument("temperature", f"must be >= 0 (0 = greedy), got {self.temperature}")
         if not -1 <= self.top_k <= INT32_MAX:
