@@ -105,6 +105,7 @@ class BatchScheduler:
         self.stopped = threading.Event()
         self.error: BaseException | None = None
         self._in_hand: list[WorkItem] = []  # the batch being collected or run
+        self._failing = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=f"{name}-engine", daemon=True)
         self._thread.start()
 
@@ -119,7 +120,7 @@ class BatchScheduler:
         for item in items:
             self._queue.put(item)
         if self.error is not None:  # after the put: the dying thread's sweep may have run already
-            self._fail_queued()
+            self._fail_all()
         return [item.future for item in items]
 
     def shutdown(self) -> None:
@@ -181,22 +182,25 @@ class BatchScheduler:
         except BaseException as exc:  # noqa: BLE001 - outside a batch: the engine cannot go on
             log.critical("the engine thread stopped: %r", exc, exc_info=True)
             self.error = exc
-            for item in self._in_hand:
-                if not item.future.done():
-                    item.future.set_exception(EngineStopped(f"the engine stopped on an error ({exc!r})"))
-            self._fail_queued()
+            self._fail_all()
             self.stopped.set()
 
-    def _fail_queued(self) -> None:
-        """Fail every queued request with EngineStopped (the engine is gone)."""
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if item is not None and not item.future.done():
-                item.future.set_exception(EngineStopped(f"the engine stopped on an error ({self.error!r}); "
-                                                        "this replica serves nothing more"))
+    def _fail_all(self) -> None:
+        """Fail the requests the engine held and every queued one with EngineStopped (from the
+        dying engine thread, and from a submitting thread after it: one at a time)."""
+        with self._failing:
+            held = list(self._in_hand)
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    held.append(item)
+            for item in held:
+                if not item.future.done():
+                    item.future.set_exception(EngineStopped(f"the engine stopped on an error ({self.error!r}); "
+                                                            "this replica serves nothing more"))
 
     def _serve(self) -> None:
         if self._threads:
