@@ -369,7 +369,7 @@ class SpeculativeClient:
         if chat:  # a template applies to text: ids would go out unchanged, which chat=True does not ask for
             raise ValueError("chat=True applies the chat template to a string or to messages; token ids are sent "
                              "as they are (apply the template when encoding them, or pass the text)")
-        self._check_vocab(ids, "prompt token id")
+        self.check_vocab(ids, "prompt token id")
         return ids
 
     def _past_drafter_vocab(self, ids: Sequence[int]) -> bool:
@@ -379,7 +379,8 @@ class SpeculativeClient:
             return False
         return max(ids, default=-1) >= info.vocab_size
 
-    def _check_vocab(self, ids: Sequence[int], what: str) -> None:
+    def check_vocab(self, ids: Sequence[int], what: str) -> None:
+        """ValueError naming the first id outside the verifier's vocabulary, as `what`."""
         vocab = self.verifier_info.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -573,7 +574,7 @@ class SpeculativeClient:
         prompt_ids = self.encode_prompt(prompt, chat)
         if not prompt_ids:
             raise ValueError("the prompt is empty after tokenization")
-        self._check_vocab(params.stop_token_ids, "stop_token_ids: token id")
+        self.check_vocab(params.stop_token_ids, "stop_token_ids: token id")
         max_context = self.verifier_info.max_context
         if len(prompt_ids) + params.max_tokens > max_context:
             raise ValueError(

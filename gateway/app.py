@@ -178,10 +178,10 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
     async def detokenize(body: DetokenizeRequest) -> dict:
         client = await upstream.wait_ready()
         check_model(body.model)
-        vocab = client.verifier_info.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request("tokens", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        try:
+            client.check_vocab(body.tokens, "token id")
+        except ValueError as exc:
+            raise bad_request("tokens", str(exc)) from None
         return {"prompt": client.tokenizer.decode(body.tokens)}
 
     def check_model(model: str | None) -> str:
