@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import math
+import signal
 import threading
 import time
 
@@ -344,7 +345,12 @@ def test_an_engine_thread_that_stops_fails_every_request_at_once_and_says_so():
     server = grpc.server(ThreadPoolExecutor(max_workers=2))
     server.add_insecure_port("127.0.0.1:0")
     server.start()
-    assert run_until_signal(server, 0.1, sched.stopped) == 1  # returns at once: the engine stopped before
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert run_until_signal(server, 0.1, sched.stopped) == 1  # returns at once: the engine stopped before
+    finally:  # it installs the service's handlers: give pytest its Ctrl-C back
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def test_the_engine_waits_for_unary_stragglers_but_not_for_a_clients_step_message():
