@@ -230,8 +230,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 def _random_dataset(args: argparse.Namespace):
     from bench.datasets import RANDOM, RandomDataset
 
-    given = {f: getattr(args, f"random_{f}") for f in ("input_len", "output_len", "range_ratio", "prefix_len")
-             if getattr(args, f"random_{f}") is not None}
+    given = {f: value for f in ("input_len", "output_len", "range_ratio", "prefix_len")
+             if (value := getattr(args, f"random_{f}")) is not None}
     if args.dataset != RANDOM and given:
         raise ValueError(f"{', '.join('--random-' + f.replace('_', '-') for f in given)} go with --dataset random "
                          f"(the dataset is {args.dataset!r})")
