@@ -36,6 +36,9 @@ class GenerationResult:
     # One entry per generated token when SamplingParams.logprobs is set: its logprob under
     # the target's processed distribution, its rank, and the top-N {token id: logprob}.
     logprobs: list[dict] | None = None
+    # SamplingParams.prompt_logprobs (vLLM's): one per prompt token, the same entries under the
+    # target's raw distribution; None for the first token, which nothing precedes.
+    prompt_logprobs: list[dict | None] | None = None
     proposal_bytes: int = 0  # proposal bytes the drafter sent, summed over rounds
     # Speculation cache (fanout > 0): drafts the drafter had pre-drafted during the previous
     # verify, and the rounds whose drafts all came from there (no drafter forward waited for).
@@ -86,6 +89,7 @@ class StreamChunk:
     text: str  # new text since the previous chunk
     result: GenerationResult | None = None  # set on the last chunk
     logprobs: list[dict] | None = None  # this round's entries of GenerationResult.logprobs (SamplingParams.logprobs)
+    prompt_logprobs: list[dict | None] | None = None  # GenerationResult.prompt_logprobs, on the first chunk
 
 
 class OutputProcessor:

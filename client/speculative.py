@@ -611,6 +611,10 @@ class SpeculativeClient:
                     gen.controller.update(len(drafts), response.num_accepted, draft_s, verify_s)
                 logprobs = _logprobs_from_pb(response) if gen.result.logprobs is not None else None
                 chunk = gen.output.commit(response.output_token_ids, logprobs, time.perf_counter())
+                if gen.result.num_rounds == 1 and params.prompt_logprobs is not None:  # the round that prefilled
+                    scored = _logprobs_from_pb(response, gen.result.prompt_token_ids[1:], response.prompt_logprobs)
+                    gen.result.prompt_logprobs = [None, *scored]
+                    chunk = replace(chunk, prompt_logprobs=gen.result.prompt_logprobs)
                 gen.committed += chunk.token_ids
                 if gen.gamma_max and self._past_drafter_vocab(chunk.token_ids):
                     # The target chose a padding row of its larger head: the drafter cannot take
@@ -1262,11 +1266,14 @@ def _check_fanout(value: int) -> int:
     return value
 
 
-def _logprobs_from_pb(response: pb.VerifyResponse) -> list[dict]:
-    """One entry per output token: its logprob, rank and top-N {token id: logprob}."""
+def _logprobs_from_pb(response: pb.VerifyResponse, token_ids: Sequence[int] | None = None,
+                      entries: Sequence[pb.TokenLogprobs] | None = None) -> list[dict]:
+    """One entry per token (default: the output's): its logprob, rank and top-N {token id: logprob}."""
+    token_ids = response.output_token_ids if token_ids is None else token_ids
+    entries = response.logprobs if entries is None else entries
     return [{"token_id": tok, "logprob": lp.logprob, "rank": lp.rank,
              "top_logprobs": dict(zip(lp.top_token_ids, lp.top_logprobs))}
-            for tok, lp in zip(response.output_token_ids, response.logprobs)]
+            for tok, lp in zip(token_ids, entries)]
 
 
 def _note_server(link: _Link, lost_from: Server | None, addresses: list[str]) -> int:

@@ -218,8 +218,9 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
                                              template_options=body.template_options())]
         else:
             # token ids are checked against the verifier's vocabulary there (SpeculativeClient.encode_prompt)
+            raw_prompts = body.prompts()
             prompts = [await upstream.encode(prompt=p, add_special_tokens=body.add_special_tokens)
-                       for p in body.prompts()]
+                       for p in raw_prompts]
         if len(prompts) * n > MAX_CHOICES:
             raise bad_request("n", f"prompts x n = {len(prompts)} x {n} is more than {MAX_CHOICES} generations "
                                    "in one request")
@@ -232,10 +233,16 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
         choices = [(ids, params, j == 0) for ids in prompts
                    for j, params in enumerate(choice_params(sampling_params(body, len(ids), max_context, vocab_size),
                                                             n))]
+        echo = not chat and body.echo
+        # The echoed text is the prompt as sent (token ids: their text), as vLLM's.
+        echoed = [(p if isinstance(p, str) else client.tokenizer.decode(p), ids)
+                  for p, ids in zip(raw_prompts, prompts)] if echo else []
         builder = ResponseBuilder(chat=chat, model=model, prompt_tokens=sum(map(len, prompts)),
                                   decode=upstream.decode_token, logprobs=choices[0][1].logprobs is not None,
                                   include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                                  num_choices=len(choices))
+                                  num_choices=len(choices), echo=echo, echo_only=echo and body.echo_only,
+                                  prompts=[echoed[i // n] for i in range(len(choices))] if echo else [],
+                                  prompt_logprobs=choices[0][1].prompt_logprobs is not None)
         runs: list[_Choice] = []
         try:
             for ids, params, first in choices:  # inside the try: a later start's failure cancels the earlier ones

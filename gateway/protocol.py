@@ -68,7 +68,7 @@ _NOT_DONE: dict[str, object] = {
     "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
     "guided_decoding_backend": None, "guided_whitespace_pattern": None, "structured_outputs": None,
     "functions": None, "function_call": None, "use_beam_search": False, "length_penalty": None,
-    "prompt_logprobs": None, "bad_words": None,
+    "bad_words": None,
     "logits_processors": None, "truncate_prompt_tokens": None, "audio": None, "prediction": None,
     "chat_template": None, "skip_special_tokens": True, "spaces_between_special_tokens": True,
     "max_completion_tokens": None,  # /v1/completions only: chat defines it (max_tokens is completions')
@@ -101,6 +101,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # the prompt tokens' logprobs under the raw model (top N, 0 = their own)
     # this server's: SamplingParams' acceptance rule per request (vLLM sets it per server, with
     # --spec-decoding-acceptance-method); "typical" is not lossless
     acceptance_method: str | None = None
@@ -135,10 +136,14 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     best_of: int | None = None
 
+    @property
+    def echo_only(self) -> bool:
+        """vLLM's scoring request: echo with max_tokens 0 answers the prompt alone (with its
+        logprobs), and generates one token to get them."""
+        return self.echo and self.max_tokens == 0
+
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo:
-            raise bad_request("echo", "echo is not supported")
         if self.suffix:
             raise bad_request("suffix", "suffix is not supported")
         if self.best_of not in (None, 1, self.n or 1):  # best_of > n would rank choices by logprob: not done
@@ -251,6 +256,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_token
     chat = isinstance(req, ChatCompletionRequest)
     prompt_field = "messages" if chat else "prompt"
     max_field, max_tokens = "max_tokens", req.max_tokens
+    if not chat and req.echo_only:
+        max_tokens = 1
     if chat and req.max_completion_tokens is not None:
         max_field, max_tokens = "max_completion_tokens", req.max_completion_tokens
     if prompt_tokens >= max_context:
@@ -272,6 +279,9 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_token
         logprobs_field = "top_logprobs"
     else:
         logprobs, logprobs_field = req.logprobs, "logprobs"
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is None and not chat and req.echo and logprobs is not None:
+        prompt_logprobs = logprobs  # as vLLM: an echoed prompt comes with its logprobs
     values = {
         "max_tokens": max_tokens,
         "temperature": req.temperature,
@@ -290,6 +300,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_token
         "allowed_token_ids": req.allowed_token_ids,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "acceptance_method": req.acceptance_method,
         "posterior_threshold": req.posterior_threshold,
         "posterior_alpha": req.posterior_alpha,
@@ -363,7 +374,13 @@ class ResponseBuilder:
     choice] · per choice, a chunk per round that produced text, then one with finish_reason
     (and that choice's speculative counters), choices interleaved as their rounds arrive ·
     [include_usage: after every choice finished, a chunk with empty choices and usage; every
-    chunk before it carries "usage": null]."""
+    chunk before it carries "usage": null].
+
+    echo (completions): each choice's text starts with its prompt, and its logprobs with the
+    prompt's (the first token has none), in the body or in the choice's first chunk, as vLLM;
+    echo_only (max_tokens 0) answers the prompt alone. prompt_logprobs: the request asked for
+    them (SamplingParams.prompt_logprobs): each choice (chat: the response) carries vLLM's
+    `prompt_logprobs` list."""
 
     chat: bool
     model: str
@@ -372,9 +389,14 @@ class ResponseBuilder:
     include_usage: bool = False
     logprobs: bool = False
     num_choices: int = 1
+    echo: bool = False
+    echo_only: bool = False
+    prompts: list[tuple[str, list[int]]] = field(default_factory=list)  # per choice: its prompt's text and ids
+    prompt_logprobs: bool = False
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     _offsets: dict[int, int] = field(default_factory=dict)  # per choice: text_offset of its next logprob
+    _echoed: set[int] = field(default_factory=set)  # choices whose stream has sent its prompt
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -383,18 +405,22 @@ class ResponseBuilder:
         """The non-streamed body: one choice per result, in choice order."""
         choices = []
         for index, result in enumerate(results):
-            lp = self._logprobs(result.logprobs, index) if self.logprobs else None
+            text, entries = self._echoed_output(index, result.text, result.logprobs, result.prompt_logprobs)
+            lp = self._logprobs(entries, index) if self.logprobs else None
             if self.chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": result.text,
-                                                            "refusal": None},
+                choices.append({"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
                                 "logprobs": lp, "finish_reason": result.finish_reason,
                                 "stop_reason": result.stop_reason})
             else:
-                choices.append({"index": index, "text": result.text, "logprobs": lp,
-                                "finish_reason": result.finish_reason, "stop_reason": result.stop_reason})
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                choices.append({"index": index, "text": text, "logprobs": lp, **self._finish_reason(result)})
+                if self.prompt_logprobs:
+                    choices[-1]["prompt_logprobs"] = self._vllm_prompt_logprobs(result)
+        body = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "system_fingerprint": None, "choices": choices,
                 "usage": self._usage(results), "speculative": speculative(*results)}
+        if self.chat and self.prompt_logprobs and results:
+            body["prompt_logprobs"] = self._vllm_prompt_logprobs(results[0])
+        return body
 
     def start(self) -> list[dict]:
         if not self.chat:
@@ -409,13 +435,19 @@ class ResponseBuilder:
         stop string, or an incomplete UTF-8 sequence, is held back there until a later round
         settles it, so the chunks concatenate to the non-streamed text."""
         out = []
-        result, text = chunk.result, chunk.text
-        lp = self._logprobs(chunk.logprobs, index) if self.logprobs and chunk.logprobs else None
+        result = chunk.result
+        if self.echo and index not in self._echoed:
+            self._echoed.add(index)
+            text, entries = self._echoed_output(index, chunk.text, chunk.logprobs, chunk.prompt_logprobs)
+        else:
+            text, entries = ("", None) if self.echo_only else (chunk.text, chunk.logprobs)
+        lp = self._logprobs(entries, index) if self.logprobs and entries else None
         if text or lp:
             out.append(self._chunk({"content": text} if self.chat else text, None, lp, index))
         if result is not None:
-            last = self._chunk({} if self.chat else "", result.finish_reason, index=index)
-            last["choices"][0]["stop_reason"] = result.stop_reason
+            ended = self._finish_reason(result)
+            last = self._chunk({} if self.chat else "", ended["finish_reason"], index=index)
+            last["choices"][0]["stop_reason"] = ended["stop_reason"]
             last["speculative"] = speculative(result)
             out.append(last)
         return out
@@ -425,7 +457,41 @@ class ResponseBuilder:
         return [self._envelope([], self._usage(results))] if self.include_usage else []
 
     def _usage(self, results: list[GenerationResult]) -> dict:
-        return usage(self.prompt_tokens, sum(len(r.token_ids) for r in results))
+        return usage(self.prompt_tokens, 0 if self.echo_only else sum(len(r.token_ids) for r in results))
+
+    def _finish_reason(self, result: GenerationResult) -> dict:
+        if self.echo_only:  # the token generated to score the prompt is not part of the answer
+            return {"finish_reason": "length", "stop_reason": None}
+        return {"finish_reason": result.finish_reason, "stop_reason": result.stop_reason}
+
+    def _echoed_output(self, index: int, text: str, entries: list[dict] | None,
+                       prompt_logprobs: list[dict | None] | None) -> tuple[str, list[dict] | None]:
+        """Choice `index`'s text and logprob entries with its prompt in front when echoing."""
+        if self.echo_only:
+            text, entries = "", [] if entries is not None else None
+        if not self.echo:
+            return text, entries
+        prompt_text, prompt_ids = self.prompts[index]
+        if entries is not None:
+            scored = prompt_logprobs or [None] * len(prompt_ids)
+            entries = [{"token_id": t, "logprob": None, "top_logprobs": {}} if e is None else e
+                       for t, e in zip(prompt_ids, scored)] + entries
+        return prompt_text + text, entries
+
+    def _vllm_prompt_logprobs(self, result: GenerationResult) -> list[dict | None]:
+        """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob,
+        rank, decoded_token}} of the token itself and the top N."""
+        out: list[dict | None] = []
+        for token, e in zip(result.prompt_token_ids, result.prompt_logprobs or []):
+            if e is None:
+                out.append(None)
+                continue
+            ranked = {token: (e["logprob"], e["rank"])}
+            for rank, (t, lp) in enumerate(e["top_logprobs"].items(), 1):
+                ranked.setdefault(t, (lp, rank))
+            out.append({str(t): {"logprob": json_logprob(lp), "rank": rank, "decoded_token": self.decode(t)}
+                        for t, (lp, rank) in ranked.items()})
+        return out
 
     def _chunk(self, delta: dict | str, finish_reason: str | None, logprobs: dict | None = None,
                index: int = 0) -> dict:
@@ -459,9 +525,12 @@ class ResponseBuilder:
             offsets.append(offset)
             offset += len(text)
         self._offsets[index] = offset
-        return {"tokens": tokens, "token_logprobs": [json_logprob(e["logprob"]) for e in entries],
+        # An echoed prompt's first token has no logprob: null in both lists, as vLLM.
+        return {"tokens": tokens,
+                "token_logprobs": [None if e["logprob"] is None else json_logprob(e["logprob"]) for e in entries],
                 # As vLLM: the sampled token leads each top_logprobs dict (logprobs=0 gives just it).
-                "top_logprobs": [{self.decode(e["token_id"]): json_logprob(e["logprob"]),
+                "top_logprobs": [None if e["logprob"] is None else
+                                 {self.decode(e["token_id"]): json_logprob(e["logprob"]),
                                   **{self.decode(t): json_logprob(v) for t, v in e["top_logprobs"].items()}}
                                  for e in entries],
                 "text_offset": offsets}

@@ -86,6 +86,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt tokens under the raw model (verifier only)
     acceptance_method: str = REJECTION
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
@@ -107,7 +108,7 @@ class SamplingParams:
                 raise InvalidArgument("allowed_token_ids", "must be a sequence of token ids, got "
                                                            f"{self.allowed_token_ids!r}") from None
         self.validate()
-        for name in ("top_k", "max_tokens", "min_tokens", "seed", "logprobs"):  # numpy's ints -> int
+        for name in ("top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs"):  # numpy's ints -> int
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
         object.__setattr__(self, "stop_token_ids", tuple(map(int, self.stop_token_ids)))
@@ -150,7 +151,7 @@ class SamplingParams:
 
         for name in ("top_k", "max_tokens", "min_tokens"):
             integer(name, getattr(self, name))
-        for name in ("seed", "logprobs"):
+        for name in ("seed", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 integer(name, getattr(self, name))
         for t in self.stop_token_ids:
@@ -198,8 +199,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= finite(name) <= 2.0:
                 raise InvalidArgument(name, f"must be in [-2, 2] (0 disables it), got {getattr(self, name)}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise InvalidArgument("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= MAX_LOGPROBS:
+                raise InvalidArgument(name, f"must be in [0, {MAX_LOGPROBS}], got {getattr(self, name)}")
         if self.acceptance_method not in ACCEPTANCE_METHODS:
             raise InvalidArgument(
                 "acceptance_method", f"must be one of {', '.join(ACCEPTANCE_METHODS)}, got {self.acceptance_method!r}"
@@ -376,17 +378,25 @@ def top_logprobs(
     num: int,
 ) -> list[tuple[float, int, list[int], list[float]]]:
     """(logprob, rank, top ids, top logprobs) of each emitted token; rank 1 = most likely."""
-    logp = torch.log(probs)  # log 0 = -inf for filtered tokens, as vLLM's processed logprobs
-    ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=probs.device)
-    chosen = logp.gather(1, ids[:, None])[:, 0]
-    ranks = (logp > chosen[:, None]).sum(dim=1) + 1
-    top = torch.topk(logp, num, dim=-1) if num else None
-    out = []
-    for i in range(len(ids)):
-        top_ids = top.indices[i].tolist() if top is not None else []
-        top_lp = top.values[i].tolist() if top is not None else []
-        out.append((float(chosen[i]), int(ranks[i]), top_ids, top_lp))
-    return out
+    return ranked_logprobs(torch.log(probs), token_ids, num)  # log 0 = -inf for filtered tokens, as vLLM's
+
+
+def ranked_logprobs(
+    logp: torch.Tensor,  # [N, V] log-probabilities at each position
+    token_ids: Sequence[int],  # [N] the token taken at each position
+    num: int,
+) -> list[tuple[float, int, list[int], list[float]]]:
+    """(logprob, rank, top ids, top logprobs) of each token; rank 1 = most likely. One
+    device-to-host read for all N positions."""
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=logp.device)
+    chosen = logp.gather(1, ids[:, None])[:, 0]  # [N]
+    ranks = (logp > chosen[:, None]).sum(dim=1) + 1  # [N]
+    if num:
+        top = torch.topk(logp, num, dim=-1)
+        top_ids, top_lp = top.indices.tolist(), top.values.tolist()
+    else:
+        top_ids = top_lp = [[] for _ in range(len(ids))]
+    return [(c, r, i, v) for c, r, i, v in zip(chosen.tolist(), ranks.tolist(), top_ids, top_lp)]
 
 
 def mix64(*values: int) -> int:

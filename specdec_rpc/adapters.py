@@ -78,7 +78,7 @@ _METHOD_FROM_PB = {v: k for k, v in _METHOD_TO_PB.items()}
 # Optional scalar fields that travel as-is (unset = the SamplingParams default).
 _SCALAR_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty",
                   "frequency_penalty", "min_tokens", "ignore_eos", "logprobs", "posterior_threshold",
-                  "posterior_alpha")
+                  "posterior_alpha", "prompt_logprobs")
 
 
 def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:

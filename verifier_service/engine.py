@@ -16,7 +16,8 @@ from specdec.errors import InvalidArgument, SpecDecError
 from specdec.models import Row
 from specdec.proposals import IDS_ONLY, Proposal, decode_proposal
 from specdec.sampling import (
-    GREEDY, REJECTION, STREAM_VERIFY, SamplingParams, counter_uniforms, process_logits, seed_tensor, top_logprobs,
+    GREEDY, REJECTION, STREAM_VERIFY, SamplingParams, counter_uniforms, process_logits, ranked_logprobs, seed_tensor,
+    top_logprobs,
 )
 from specdec.serving import DeviceTimer, EngineLoad, ServingModel
 from specdec.sessions import Session
@@ -40,6 +41,8 @@ class VerifyOut:
     kv_length: int  # committed + accepted drafts; the last output token is not cached yet
     logprobs: list[TokenLogprob] | None = None  # one per output token when requested
     load: EngineLoad = EngineLoad()
+    # params.prompt_logprobs: one per appended token after the first, at positions < prompt_length
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,14 @@ class _Request:
     submitted: float = field(default_factory=time.perf_counter)
     queue_ms: float | None = None  # set at the request's first step
     starved_steps: int = 0  # steps in a row that gave this request no tokens at all
+    prompt_lp: list[TokenLogprob] = field(default_factory=list)  # params.prompt_logprobs, across its chunks
+
+    def prompt_scored(self, n: int) -> int:
+        """How many of the next n appended tokens after the first are prompt tokens to score
+        (params.prompt_logprobs): those at positions below prompt_length."""
+        if self.params.prompt_logprobs is None:
+            return 0
+        return max(0, min(n, self.prompt_length - self.session.length - 1))
 
     @property
     def width(self) -> int:
@@ -230,8 +241,13 @@ class VerifierEngine(ServingModel):
         start = time.perf_counter()
         reqs, chunks, waiting = self._plan_step([it.payload for it in items])
         unfinished = {id(r) for r in waiting} | {id(r) for r, _ in chunks}
-        rows = [Row(r.session.cache, r.append_token_ids + r.draft_token_ids, len(r.draft_token_ids) + 1)
-                for r in reqs] + [Row(r.session.cache, chunk, 1) for r, chunk in chunks]
+        # A row keeps the logits of its last `keep` positions: the verified ones (a chunk's last,
+        # unused), or all of them when its head has prompt tokens to score (prompt_logprobs).
+        scored = [r.prompt_scored(len(r.append_token_ids) - 1) for r in reqs]
+        chunk_scored = [r.prompt_scored(len(chunk)) for r, chunk in chunks]
+        rows = [Row(r.session.cache, r.append_token_ids + r.draft_token_ids,
+                    r.width if n else len(r.draft_token_ids) + 1) for r, n in zip(reqs, scored)]
+        rows += [Row(r.session.cache, chunk, len(chunk) if n else 1) for (r, chunk), n in zip(chunks, chunk_scored)]
         for r in reqs + [r for r, _ in chunks]:
             if r.queue_ms is None:
                 r.queue_ms = (start - r.submitted) * 1e3
@@ -243,7 +259,7 @@ class VerifierEngine(ServingModel):
         if not reqs:  # prefill chunks only
             prepared = time.perf_counter()
             timer.start()
-            self.lm.forward_rows(rows)
+            self._score_chunks(chunks, chunk_scored, self.lm.forward_rows(rows))
             timer.stop()
             self.stats.add(forwards=1)
             self._advance_chunks(chunks)
@@ -258,7 +274,13 @@ class VerifierEngine(ServingModel):
         sampler_args = self._sampler_inputs(reqs, dev)
         prepared = time.perf_counter()
         timer.start()
-        logits = self.lm.forward_rows(rows)[:len(reqs)]  # B x [K_b + 1, V]; the chunks' logits are not needed
+        logits = self.lm.forward_rows(rows)  # per row [keep, V]
+        self._score_chunks(chunks, chunk_scored, logits[len(reqs):])
+        for i, (r, n) in enumerate(zip(reqs, scored)):
+            if n:  # the head of its logits scores its prompt; the tail, [K_b + 1, V], is verified
+                self._score_prompt(r, logits[i][:n], r.append_token_ids[1 : n + 1])
+                logits[i] = logits[i][-(len(r.draft_token_ids) + 1):]
+        logits = logits[:len(reqs)]  # B x [K_b + 1, V]
         target = self._process_logits(reqs, logits)  # [B, K + 1, V]
         out = speculative_sample(target, backend=self.sampler_backend, **sampler_args)
         timer.stop()
@@ -406,6 +428,21 @@ class VerifierEngine(ServingModel):
             r.starved_steps = r.starved_steps + 1 if id(r) in starved else 0
         return whole, chunks, waiting
 
+    def _score_chunks(self, chunks: list[tuple[_Request, list[int]]], scored: list[int],
+                      logits: list[torch.Tensor]) -> None:
+        """A chunk's logits [n, V] predict the n appended tokens after its first (the last of
+        them opens the next chunk, which always exists): the prompt_logprobs of those in the prompt."""
+        for (r, _), n, chunk_logits in zip(chunks, scored, logits):
+            if n:
+                self._score_prompt(r, chunk_logits[:n], r.append_token_ids[1 : n + 1])
+
+    @staticmethod
+    def _score_prompt(r: _Request, logits: torch.Tensor, tokens: list[int]) -> None:
+        """logits [n, V] raw, of the positions before `tokens` [n]: vLLM's prompt logprobs are the
+        model's own distribution, before any sampling parameter."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        r.prompt_lp.extend(TokenLogprob(*x) for x in ranked_logprobs(logp, tokens, r.params.prompt_logprobs))
+
     def _advance_chunks(self, chunks: list[tuple[_Request, list[int]]]) -> None:
         """The chunks are in their sessions' caches now: move them from the requests' appends."""
         for r, chunk in chunks:
@@ -434,4 +471,4 @@ class VerifierEngine(ServingModel):
         log.debug("verify session=%s appended=%d drafts=%d accepted=%d kv=%d",
                   session.session_id, len(r.append_token_ids), k, n_acc, session.length)
         return VerifyOut(output_token_ids=emitted, num_accepted=n_acc, kv_length=session.length, logprobs=logprobs,
-                         load=load)
+                         load=load, prompt_logprobs=r.prompt_lp if r.params.prompt_logprobs is not None else None)

@@ -152,6 +152,8 @@ def _response(out: VerifyOut) -> pb.VerifyResponse:
         logprobs=[pb.TokenLogprobs(logprob=lp.logprob, rank=lp.rank, top_token_ids=lp.top_token_ids,
                                    top_logprobs=lp.top_logprobs) for lp in out.logprobs or []],
         load=load_to_pb(out.load),
+        prompt_logprobs=[pb.TokenLogprobs(logprob=lp.logprob, rank=lp.rank, top_token_ids=lp.top_token_ids,
+                                          top_logprobs=lp.top_logprobs) for lp in out.prompt_logprobs or []],
     )
 
 
