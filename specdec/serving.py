@@ -65,20 +65,21 @@ class DeviceTimer:
     in the calls themselves, so their wall time is the device time."""
 
     def __init__(self, device) -> None:
-        self._cuda = torch.device(device).type == "cuda"
+        self._device = torch.device(device)
+        self._cuda = self._device.type == "cuda"
         self._t0 = self._t1 = 0.0
         if self._cuda:
             self._start = torch.cuda.Event(enable_timing=True)
             self._end = torch.cuda.Event(enable_timing=True)
 
     def start(self) -> None:
-        if self._cuda:
-            self._start.record()
+        if self._cuda:  # on the model's stream: the engine thread's current device may be another
+            self._start.record(torch.cuda.current_stream(self._device))
         self._t0 = time.perf_counter()
 
     def stop(self) -> None:
         if self._cuda:
-            self._end.record()
+            self._end.record(torch.cuda.current_stream(self._device))
         self._t1 = time.perf_counter()
 
     def ms(self) -> float:

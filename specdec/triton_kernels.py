@@ -23,7 +23,9 @@ def residual_block(row_p, row_q, offs, m, use_residual, q_sum, x_n, HAS_Q: tl.co
     return p, r
 
 
-@triton.jit
+# K (the drafts, up to KPAD) does not specialize: Triton would compile K = 0, K = 1 and other K
+# apart, and the verifier's warm-up (triton_verification.warm_up) covers each KPAD once.
+@triton.jit(do_not_specialize=["K"])
 def chain_verify_kernel(
     target_ptr,  # [B, K + 1, V] float32, processed target distribution p
     draft_ids_ptr,  # [B, K] int64, -1 past num_draft

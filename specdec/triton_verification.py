@@ -30,6 +30,7 @@ the test suite checks it without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -80,28 +81,34 @@ def compile_for(arch: int, has_q: bool, has_argmax: bool, has_typical: bool, con
 
 
 def warm_up(vocab_size: int, max_draft_tokens: int, device: torch.device) -> int:
-    """Compile (or load from Triton's on-disk cache) the variants a verifier meets first, so no
-    request waits seconds for a compile: dense q, one-hot q and all-greedy batches, for every
-    KPAD up to max_draft_tokens' (the vocabulary's own size, so its divisibility hints match).
-    Returns the number of variants launched."""
+    """Compile (or load from Triton's on-disk cache) every variant a verifier can launch, so no
+    request waits seconds for a compile: each set of the HAS_* flags a batch can need (dense or
+    one-hot q; greedy or typical rows beside sampled ones, which need the argmax; typical rows
+    their accept mask) for every KPAD up to max_draft_tokens', at the vocabulary's own size (so
+    its divisibility hints match). K itself and num_draft's alignment do not specialize the
+    kernel (`chain_verify`), so γ 0, odd γ and one-request batches reuse these. Returns the
+    number of variants launched."""
     variants = 0
     kpad = 1
-    while True:
-        k = kpad
-        p = torch.full((1, k + 1, vocab_size), 1.0 / vocab_size, device=device)
-        drafts = torch.zeros(1, k, dtype=torch.int64, device=device)
-        num_draft = torch.full((1,), k, dtype=torch.int64, device=device)
-        draws = torch.full((1, k + 1, 2), 0.5, dtype=torch.float64, device=device)
-        rejection = torch.full((1,), METHOD_CODES["rejection"], dtype=torch.int32, device=device)
-        greedy = torch.full((1,), METHOD_CODES["greedy"], dtype=torch.int32, device=device)
-        q = p[:, :k].contiguous()
-        chain_verify(p, drafts, q, q.sum(dim=-1), num_draft, draws, rejection, None, None)
-        chain_verify(p, drafts, None, None, num_draft, draws, rejection, None, None)
-        chain_verify(p, drafts, None, None, num_draft, draws, greedy, p.argmax(dim=-1), None)
-        variants += 3
-        if kpad >= max_draft_tokens:
-            return variants
-        kpad *= 2
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        while True:
+            k = kpad
+            p = torch.full((1, k + 1, vocab_size), 1.0 / vocab_size, device=device)
+            drafts = torch.zeros(1, k, dtype=torch.int64, device=device)
+            num_draft = torch.full((1,), k, dtype=torch.int64, device=device)
+            draws = torch.full((1, k + 1, 2), 0.5, dtype=torch.float64, device=device)
+            q = p[:, :k].contiguous()
+            argmax, typical = p.argmax(dim=-1), torch.ones(1, k, dtype=torch.bool, device=device)
+            for code, with_argmax, with_typical in (("rejection", False, False), ("greedy", True, False),
+                                                    ("typical", True, True)):
+                method = torch.full((1,), METHOD_CODES[code], dtype=torch.int32, device=device)
+                for q_, q_sums in ((q, q.sum(dim=-1)), (None, None)):
+                    chain_verify(p, drafts, q_, q_sums, num_draft, draws, method, argmax if with_argmax else None,
+                                 typical if with_typical else None)
+                    variants += 1
+            if kpad >= max_draft_tokens:
+                return variants
+            kpad *= 2
 
 
 def chain_verify(
@@ -129,26 +136,32 @@ def chain_verify(
         return out, num_accepted
     dummy_f = target_probs  # any tensor: a constexpr flag keeps the kernel from reading it
     block, num_warps = launch_config(b, dev)
-    chain_verify_kernel[(b,)](
-        target_probs.contiguous(),
-        draft_token_ids.to(torch.int64).contiguous(),
-        dummy_f if draft_probs is None else draft_probs.to(torch.float32).contiguous(),
-        dummy_f if q_sums is None else q_sums.to(torch.float32).contiguous(),
-        num_draft.to(torch.int64).contiguous(),
-        draws.to(torch.float64).contiguous(),
-        method_codes.to(torch.int32).contiguous(),
-        out if target_argmax is None else target_argmax.to(torch.int64).contiguous(),
-        out if typical_accept is None else typical_accept.to(torch.int8).contiguous(),
-        out,
-        num_accepted,
-        k,
-        v,
-        HAS_Q=draft_probs is not None,
-        HAS_ARGMAX=target_argmax is not None,
-        HAS_TYPICAL=typical_accept is not None,
-        KPAD=triton.next_power_of_2(max(k, 1)),
-        BLOCK=block,
-        num_warps=num_warps,
-        **FP_OPTIONS,
-    )
+    num_draft = num_draft.to(torch.int64).contiguous()
+    if num_draft.data_ptr() % 16:  # a column view of the engine's [B, K + 3] inputs: Triton would
+        num_draft = num_draft.clone()  # compile another variant for a pointer not 16-byte aligned
+    # Triton launches on the current CUDA device's stream, whatever the tensors' device: make it
+    # the model's (cuda:1 too), not the calling thread's default.
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        chain_verify_kernel[(b,)](
+            target_probs.contiguous(),
+            draft_token_ids.to(torch.int64).contiguous(),
+            dummy_f if draft_probs is None else draft_probs.to(torch.float32).contiguous(),
+            dummy_f if q_sums is None else q_sums.to(torch.float32).contiguous(),
+            num_draft,
+            draws.to(torch.float64).contiguous(),
+            method_codes.to(torch.int32).contiguous(),
+            out if target_argmax is None else target_argmax.to(torch.int64).contiguous(),
+            out if typical_accept is None else typical_accept.to(torch.int8).contiguous(),
+            out,
+            num_accepted,
+            k,
+            v,
+            HAS_Q=draft_probs is not None,
+            HAS_ARGMAX=target_argmax is not None,
+            HAS_TYPICAL=typical_accept is not None,
+            KPAD=triton.next_power_of_2(max(k, 1)),
+            BLOCK=block,
+            num_warps=num_warps,
+            **FP_OPTIONS,
+        )
     return out, num_accepted

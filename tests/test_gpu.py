@@ -257,6 +257,38 @@ def test_compiled_kernel_first_tokens_follow_the_target_distribution():
         assert chi_square_pvalue(wrong, expected, n) < 1e-3
 
 
+def test_after_the_warm_up_no_batch_compiles_another_kernel_variant():
+    """A verifier warms the sampler at start (triton_verification.warm_up) so that no request
+    waits for a compile. Batches laid out as the engine's (drafts and num_draft columns of one
+    [B, K + 3] int64 tensor; one request or three; K 0 to 8; rejection, greedy or mixed rows;
+    dense or one-hot q) emit the torch path's tokens and, compiled, launch only variants the
+    warm-up compiled (the interpreter has none to count)."""
+    pytest.importorskip("triton")
+    from specdec import triton_verification
+    from specdec.triton_kernels import chain_verify_kernel
+    from tests.test_triton_sampler import METHODS, _batch, _both
+
+    def compiled() -> int:  # kernels compiled so far (none when interpreted)
+        return sum(len(cache[0]) for cache in getattr(chain_verify_kernel, "device_caches", {}).values())
+
+    v = 32000 if CUDA else 300
+    triton_verification.warm_up(v, 8, DEVICE)
+    before = compiled()
+    for b in (1, 3):
+        for k in range(9) if CUDA else (0, 1, 3):
+            for dense in (True, False):
+                for methods in (["rejection"] * b, ["greedy"] * b, [METHODS[i % 3] for i in range(b)]):
+                    p, drafts, q, num_draft, draws = _batch(b + k, b, k, v, 0.8, dense)
+                    ints = torch.zeros(b, k + 3, dtype=torch.int64, device=DEVICE)  # drafts | K_b | seed | position
+                    ints[:, :k], ints[:, k] = drafts, num_draft
+                    ref, out = _both(p, ints[:, :k], q, ints[:, k], draws, methods)
+                    assert torch.equal(out.num_accepted, ref.num_accepted)
+                    assert torch.equal(out.output_token_ids, ref.output_token_ids)
+    if CUDA:
+        torch.cuda.synchronize()
+        assert compiled() == before
+
+
 # ---- the services on the device -------------------------------------------------------
 
 PROMPTS = ["The capital of France is a city famous for", "def add(a, b):", "Once upon a time, in a land far away,"]

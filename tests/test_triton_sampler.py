@@ -159,11 +159,12 @@ def test_kernel_first_tokens_follow_the_target_distribution():
     assert chi_square_pvalue(wrong, expected, N_KERNEL) < 1e-3
 
 
-def test_warm_up_launches_every_first_seen_variant():
-    """Dense q, one-hot q and greedy batches for KPAD 1, 2, 4, 8 (up to 8 drafts): 12 launches
-    (compiles on a GPU; interpreted here)."""
-    assert triton_verification.warm_up(300, 8, DEVICE) == 12
-    assert triton_verification.warm_up(300, 5, DEVICE) == 12  # KPAD 8 covers 5 drafts
+def test_warm_up_launches_every_variant():
+    """Dense and one-hot q, each with rejection-only, greedy (argmax) and typical (argmax and
+    mask) rows, for KPAD 1, 2, 4, 8 (up to 8 drafts): 24 launches (compiles on a GPU, where
+    tests/test_gpu.py checks no later batch compiles another; interpreted here)."""
+    assert triton_verification.warm_up(300, 8, DEVICE) == 24
+    assert triton_verification.warm_up(300, 5, DEVICE) == 24  # KPAD 8 covers 5 drafts
 
 
 def test_backend_choice(monkeypatch):
