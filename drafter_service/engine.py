@@ -15,7 +15,7 @@ from specdec.errors import SpecDecError
 from specdec.models import CausalLM, ModelSpec, Row
 from specdec.proposals import Proposal, ProposalBuilder, ProposalFormat
 from specdec.sampling import STREAM_DRAFT, SamplingParams, position_uniforms, process_logits
-from specdec.serving import DeviceTimer, EngineConfig, EngineLoad, ServingModel
+from specdec.serving import DeviceTimer, EngineConfig, EngineLoad, ServingModel, drop_closed
 from specdec.sessions import Session
 from specdec.slot_forward import KVSlot, copy_prefix
 from specdec.speculation import Branch, SpeculationCache, SpeculationJob
@@ -131,6 +131,9 @@ class DrafterEngine(Drafter):
         that are longer. A request is answered as soon as its drafts are complete; when only
         prefills are left they are returned unfinished and the next batch resumes them together
         with whatever arrived meanwhile, so a long prompt never stalls the others' drafting."""
+        items = drop_closed(items)
+        if not items:
+            return []
         reqs: list[_Request] = [it.payload for it in items]
         pending_items = {id(it.payload): it for it in items}
         start = time.perf_counter()

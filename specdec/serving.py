@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.batching import BatchPolicy, BatchScheduler, WorkItem
-from specdec.errors import InvalidArgument, OutOfRange, ResourceExhausted
+from specdec.errors import InvalidArgument, OutOfRange, ResourceExhausted, SessionNotFound
 from specdec.models import CausalLM, ModelSpec, device_uuid, tokenizer_source
 from specdec.sampling import SamplingParams, TokenContext
 from specdec.sessions import SessionStore
@@ -193,6 +193,22 @@ class EngineConfig:
 # Chunk budget per step when none is given: on a CPU a 256-token float32 step of a small model
 # costs a few decode steps (bounded stalls); on a GPU, 2048 keeps prefill efficient.
 DEFAULT_BATCHED_TOKENS = {"cpu": 256, "cuda": 2048}
+
+
+def drop_closed(items: list[WorkItem]) -> list[WorkItem]:
+    """The items whose session is still open; the others fail NOT_FOUND without running. A
+    client that gives up on a generation (a cancelled HTTP request) closes its sessions, and a
+    long prompt's chunked prefill would otherwise run to its end, step after step, ahead of
+    everyone else's rounds (8 abandoned 1,800-token prompts kept a CPU verifier busy for 50 s)."""
+    live = []
+    for item in items:
+        session = item.payload.session
+        if session.closed:
+            item.future.set_exception(SessionNotFound(f"session {session.session_id} was closed while its call was "
+                                                      "in flight"))
+        else:
+            live.append(item)
+    return live
 
 
 class ServingModel:

@@ -47,6 +47,9 @@ class Session:
     # Who may use the session (a hash of the caller's credential), None = anyone. A
     # leaked id alone is then useless: another caller gets NOT_FOUND, as if it did not exist.
     owner: str | None = None
+    # Closed while a call held it (a client gave up on the generation): the engine drops that
+    # call's remaining work (the rest of a chunked prefill, its queued step) instead of running it.
+    closed: bool = False
 
     def seed_for(self, params: SamplingParams) -> int:
         """The request's seed, else this session's own server randomness."""
@@ -161,6 +164,7 @@ class SessionStore:
             if not _owns(session, owner):
                 raise SessionNotFound(_unknown(session_id))
             del self._sessions[session_id]
+            session.closed = True
             self._forget(session_id, "closed")
         self._on_remove(session_id)
         log.debug("session close id=%s", session_id)

@@ -366,3 +366,33 @@ def test_random_model_refuses_an_out_path_that_is_a_file(tmp_path):
     r = _cli("random-model", "--preset", "tiny", "--out", str(target), timeout=120)
     assert r.returncode == 2 and "is a file" in r.stderr
     assert target.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("stub", ["verifier", "drafter"])
+def test_closing_a_session_drops_the_rest_of_its_calls_prefill(verifier_stub, drafter_stub, client, stub):
+    """A client that gives up on a generation (a cancelled HTTP request) closes its sessions:
+    the rest of a long prompt's chunked prefill is dropped, its call fails NOT_FOUND saying
+    why, and the engine stops stepping for it. Before, the prefill ran to its end, ahead of
+    every other session's rounds (8 abandoned 1,800-token prompts: a CPU verifier busy 50 s)."""
+    service = verifier_stub if stub == "verifier" else drafter_stub
+    ids = client.encode_prompt("a long shared document about nothing in particular " * 200)[:1800]
+    sid = service.OpenSession(pb.OpenSessionRequest()).session_id
+    sampling = pb.SamplingParams(temperature=0)
+    if stub == "verifier":
+        call = service.Verify.future(pb.VerifyRequest(session_id=sid, truncate_to=0, append_token_ids=ids,
+                                                      sampling=sampling, prompt_length=len(ids)))
+    else:
+        call = service.Draft.future(pb.DraftRequest(session_id=sid, truncate_to=0, append_token_ids=ids,
+                                                    num_draft_tokens=2, sampling=sampling, prompt_length=len(ids)))
+    before = service.GetStats(pb.StatsRequest()).forwards
+    deadline = time.monotonic() + 60
+    while service.GetStats(pb.StatsRequest()).forwards == before and not call.done():  # its first chunk ran
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    service.CloseSession(pb.CloseSessionRequest(session_id=sid))
+    with pytest.raises(grpc.RpcError) as err:
+        call.result(timeout=60)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "closed while its call was in flight" in err.value.details()
+    stopped = service.GetStats(pb.StatsRequest()).forwards
+    time.sleep(0.5)
+    assert service.GetStats(pb.StatsRequest()).forwards == stopped  # nothing more ran for it

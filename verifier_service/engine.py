@@ -19,7 +19,7 @@ from specdec.sampling import (
     GREEDY, REJECTION, STREAM_VERIFY, SamplingParams, counter_uniforms, process_logits, ranked_logprobs, seed_tensor,
     top_logprobs,
 )
-from specdec.serving import DeviceTimer, EngineLoad, ServingModel
+from specdec.serving import DeviceTimer, EngineLoad, ServingModel, drop_closed
 from specdec.sessions import Session
 from specdec.verification import PLACEHOLDER_TOKEN_ID, to_device, resolve_backend, speculative_sample
 
@@ -239,6 +239,9 @@ class VerifierEngine(ServingModel):
         logits processed in place per group of rows that share their parameters) and one
         device-to-host read of the results. Each phase's time goes to `self.phases`."""
         start = time.perf_counter()
+        items = drop_closed(items)
+        if not items:
+            return []
         reqs, chunks, waiting = self._plan_step([it.payload for it in items])
         unfinished = {id(r) for r in waiting} | {id(r) for r, _ in chunks}
         # A row keeps the logits of its last `keep` positions: the verified ones (a chunk's last,
