@@ -109,7 +109,8 @@ class OutputProcessor:
         self.params = params
         self.result = result
         self.finished = False
-        self._stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        self._eos = set() if params.ignore_eos else set(eos_token_ids)
+        self._stop_ids = set(params.stop_token_ids) | self._eos
         self._t0 = t0  # perf_counter at the generation's start
         self._emitted = ""  # text already streamed
         self._text = ""  # decoded text of token_ids[:_read_offset]
@@ -134,7 +135,8 @@ class OutputProcessor:
                 continue
             if tok in self._stop_ids:
                 result.finish_reason, self.finished = "stop", True
-                result.stop_reason = tok if tok in params.stop_token_ids else None  # EOS: None, as vLLM
+                # EOS first, as vLLM's check_stop: None for it even if stop_token_ids lists it
+                result.stop_reason = None if tok in self._eos else tok
             elif len(result.token_ids) >= params.max_tokens:
                 result.finish_reason, self.finished = "length", True
             if self.finished:

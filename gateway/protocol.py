@@ -239,7 +239,7 @@ class ChatCompletionRequest(_Sampling):
             if isinstance(content, list):
                 if any(p.type != "text" for p in content):
                     raise bad_request(f"messages[{i}].content", "only text content parts are supported")
-                content = "".join(p.text or "" for p in content)
+                content = "\n".join(p.text or "" for p in content)  # vLLM's join of a message's text parts
             msg = {**(m.model_extra or {}), "role": "system" if m.role == "developer" else m.role,
                    "content": content or ""}
             out.append(msg)

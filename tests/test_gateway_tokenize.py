@@ -117,3 +117,11 @@ def test_tokenize_and_detokenize_need_the_api_key_as_the_v1_routes(gateway):
         assert _post(gateway, path, body, key=None).status_code == 401
         assert _post(gateway, path, body, key="wrong").status_code == 401
         assert _post(gateway, path, body).status_code == 200
+
+
+def test_a_messages_text_parts_are_joined_by_newlines_as_vllm_does(gateway):
+    parts = [{"type": "text", "text": "Translate to French:"}, {"type": "text", "text": "Good morning"}]
+    as_parts = _post(gateway, "/tokenize", {"messages": [{"role": "user", "content": parts}]}).json()
+    as_text = _post(gateway, "/tokenize", {"messages": [{"role": "user",
+                                                         "content": "Translate to French:\nGood morning"}]}).json()
+    assert as_parts["tokens"] == as_text["tokens"] and as_parts["count"] > 0

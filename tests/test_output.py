@@ -213,3 +213,14 @@ def test_incremental_detokenization_streams_exactly_the_text_of_the_whole_sequen
         streamed += chunk.text
         assert full.startswith(streamed)
     assert out.finished and streamed == full == out.result.text
+
+
+@pytest.mark.parametrize("ignore_eos,reason", [(False, None), (True, "the id")])
+def test_eos_listed_in_stop_token_ids_ends_as_eos_unless_eos_is_ignored(tokenizer, ignore_eos, reason):
+    """vLLM's check_stop tests EOS first: stop_reason None for it even when stop_token_ids
+    lists it; with ignore_eos only the stop token id ends the generation, and names it."""
+    eos = tokenizer.eos_token_id
+    out = _processor(tokenizer, max_tokens=50, stop_token_ids=[eos], ignore_eos=ignore_eos)
+    _rounds(out, [_ids(tokenizer, " Hello"), [eos]])
+    assert out.finished and out.result.finish_reason == "stop"
+    assert out.result.stop_reason == (eos if reason == "the id" else None)
