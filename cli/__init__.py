@@ -370,7 +370,8 @@ def _add_gateway_parser(sub) -> None:
                     help="clients must send `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
                          "(prefer $SPECDEC_GATEWAY_API_KEY: a flag shows in ps)")
     gw.add_argument("--served-model-name", nargs="+", default=None,
-                    help="model names clients may ask for (the first is reported); default: the verifier's model name")
+                    help="model names clients may ask for (the first is reported); default: the verifier's model name "
+                         "without its runtime tag (its --model as given)")
     gw.add_argument("--num-speculative-tokens", type=gamma_arg, default="auto",
                     help="gamma, drafts per round, or 'auto' (adaptive per round in [0, 8]; default)")
     gw.add_argument("--fanout", type=positive("--fanout", zero=True), default=0,

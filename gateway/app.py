@@ -18,6 +18,7 @@ import hashlib
 import hmac
 import json
 import logging
+import re
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -156,7 +157,8 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
     async def list_models() -> dict:
         client = await upstream.wait_ready()  # like a completion, while the gateway still connects
         info = client.verifier_info
-        return models_list(list(served_names()), info.model, info.max_context, started)
+        names = list(config.served_model_names) or [served_names()[0]]  # the tagged alias is not listed
+        return models_list(names, info.model, info.max_context, started)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -202,7 +204,14 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
         return await generate(request, body, chat=True)
 
     def served_names() -> tuple[str, ...]:
-        return config.served_model_names or (upstream.require().verifier_info.model,)
+        """--served-model-name, else the verifier's model name without its runtime tag
+        ("[float32+onednn]"), so the id clients send survives a restart with other dtype or kernel
+        flags; the tagged name (the id before) is still accepted."""
+        if config.served_model_names:
+            return config.served_model_names
+        model = upstream.require().verifier_info.model
+        untagged = re.sub(r"\[[^\]]*\]$", "", model) or model
+        return (untagged, model) if untagged != model else (model,)
 
     async def generate(request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> Response:
         endpoint = CHAT if chat else COMPLETIONS

@@ -125,3 +125,16 @@ def test_a_messages_text_parts_are_joined_by_newlines_as_vllm_does(gateway):
     as_text = _post(gateway, "/tokenize", {"messages": [{"role": "user",
                                                          "content": "Translate to French:\nGood morning"}]}).json()
     assert as_parts["tokens"] == as_text["tokens"] and as_parts["count"] > 0
+
+
+def test_the_model_id_is_the_verifiers_model_without_its_runtime_tag(gateway, oai, bos_model):
+    """Without --served-model-name the id is the verifier's --model as given, not the runtime
+    tag it reports ("[float32+onednn]"), so a restart with other flags keeps it; the tagged
+    name still works."""
+    model, _ = bos_model
+    listed = oai.models.list().data
+    assert [m.id for m in listed] == [str(model)] and listed[0].root.startswith(f"{model}[")
+    for name in (str(model), listed[0].root):
+        assert oai.completions.create(model=name, prompt="Hello", max_tokens=1).model == name
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model=f"{model}-other", prompt="Hello", max_tokens=1)
