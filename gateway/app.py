@@ -249,6 +249,9 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
         builder = ResponseBuilder(chat=chat, model=model, prompt_tokens=sum(map(len, prompts)),
                                   decode=upstream.decode_token, logprobs=choices[0][1].logprobs is not None,
                                   include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                                  continuous_usage=bool(body.stream_options and body.stream_options.include_usage
+                                                        and body.stream_options.continuous_usage_stats),
+                                  choice_prompt_tokens=[len(prompts[i // n]) for i in range(len(choices))],
                                   num_choices=len(choices), echo=echo, echo_only=echo and body.echo_only,
                                   prompts=[echoed[i // n] for i in range(len(choices))] if echo else [],
                                   prompt_logprobs=choices[0][1].prompt_logprobs is not None)

@@ -58,7 +58,7 @@ def bad_request(param: str | None, message: str, code: str | None = None) -> API
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk (refused)
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, each chunk carries its choice's usage so far
 
 
 # Fields of OpenAI's API or vLLM's server that change what is generated or returned, and that
@@ -120,8 +120,6 @@ class _Sampling(BaseModel):
             raise bad_request("modalities", f"only text output is supported, got modalities={modalities!r}")
         if extra:  # `user`, `metadata`, `store`, ...: no effect on generation
             log.info("request fields ignored: %s", ", ".join(sorted(extra)))
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            raise bad_request("stream_options", "continuous_usage_stats is not supported; include_usage is")
         if self.n is not None and self.n < 1:
             raise bad_request("n", f"n must be >= 1, got {self.n}")
         if self.stream_options is not None and not self.stream:
@@ -374,7 +372,8 @@ class ResponseBuilder:
     choice] · per choice, a chunk per round that produced text, then one with finish_reason
     (and that choice's speculative counters), choices interleaved as their rounds arrive ·
     [include_usage: after every choice finished, a chunk with empty choices and usage; every
-    chunk before it carries "usage": null].
+    chunk before it carries "usage": null, or with continuous_usage (vLLM's
+    continuous_usage_stats) its choice's usage so far: its prompt and its tokens up to that chunk].
 
     echo (completions): each choice's text starts with its prompt, and its logprobs with the
     prompt's (the first token has none), in the body or in the choice's first chunk, as vLLM;
@@ -387,6 +386,8 @@ class ResponseBuilder:
     prompt_tokens: int  # of all the request's prompts, each counted once (not per choice)
     decode: Any  # token id -> its text
     include_usage: bool = False
+    continuous_usage: bool = False
+    choice_prompt_tokens: list[int] = field(default_factory=list)  # per choice (continuous_usage)
     logprobs: bool = False
     num_choices: int = 1
     echo: bool = False
@@ -397,6 +398,7 @@ class ResponseBuilder:
     created: int = field(default_factory=lambda: int(time.time()))
     _offsets: dict[int, int] = field(default_factory=dict)  # per choice: text_offset of its next logprob
     _echoed: set[int] = field(default_factory=set)  # choices whose stream has sent its prompt
+    _generated: dict[int, int] = field(default_factory=dict)  # per choice: tokens streamed so far
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -436,6 +438,8 @@ class ResponseBuilder:
         settles it, so the chunks concatenate to the non-streamed text."""
         out = []
         result = chunk.result
+        if not self.echo_only:
+            self._generated[index] = self._generated.get(index, 0) + len(chunk.token_ids)
         if self.echo and index not in self._echoed:
             self._echoed.add(index)
             text, entries = self._echoed_output(index, chunk.text, chunk.logprobs, chunk.prompt_logprobs)
@@ -497,7 +501,11 @@ class ResponseBuilder:
                index: int = 0) -> dict:
         choice = {"index": index, "delta" if self.chat else "text": delta, "logprobs": logprobs,
                   "finish_reason": finish_reason}
-        return self._envelope([choice], None)
+        so_far = None
+        if self.continuous_usage:
+            so_far = usage(self.choice_prompt_tokens[index] if self.choice_prompt_tokens else self.prompt_tokens,
+                           self._generated.get(index, 0))
+        return self._envelope([choice], so_far)
 
     def _envelope(self, choices: list, usage_: dict | None) -> dict:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",

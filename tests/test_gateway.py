@@ -132,6 +132,19 @@ def test_streamed_chat_chunks_concatenate_to_the_non_streamed_text(oai, model, c
 
 
 @pytest.mark.slow
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(oai, model, chat_reply):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries
+    its choice's usage up to it, ending at the whole completion's."""
+    chunks = _chat_stream(oai, model, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    prompt, final = chat_reply.usage.prompt_tokens, chat_reply.usage.completion_tokens
+    assert all(c.usage is not None and c.usage.prompt_tokens == prompt for c in chunks)
+    assert all(c.usage.total_tokens == prompt + c.usage.completion_tokens for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == final > counts[1] > 0
+    assert chunks[-1].choices == [] and chunks[-1].usage == chat_reply.usage
+
+
+@pytest.mark.slow
 def test_streamed_completion_chunks_concatenate_to_the_non_streamed_text(oai, model):
     kwargs = dict(model=model, prompt="The three primary colors are", max_tokens=MAX_TOKENS, temperature=0)
     whole = oai.completions.create(**kwargs)
@@ -397,8 +410,6 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
               "top_k past an int32": {"extra_body": {"top_k": 2**31}},
               "top_p of 0 as a 32-bit float": {"top_p": 1e-50},
               "repetition_penalty of 0 as a 32-bit float": {"extra_body": {"repetition_penalty": 1e-50}},
-              "continuous_usage_stats": {"stream": True, "stream_options": {"include_usage": True,
-                                                                            "continuous_usage_stats": True}},
               "logit_bias keyed by a word": {"logit_bias": {"hello": 5}},
               "logit_bias past the vocabulary": {"logit_bias": {str(10**7): 5}},
               "allowed_token_ids past the vocabulary": {"extra_body": {"allowed_token_ids": [5, 10**7]}},
@@ -434,7 +445,6 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
     ("top_k past an int32", 400, "top_k", None),
     ("top_p of 0 as a 32-bit float", 400, "top_p", None),
     ("repetition_penalty of 0 as a 32-bit float", 400, "repetition_penalty", None),
-    ("continuous_usage_stats", 400, "stream_options", None),
     ("logit_bias keyed by a word", 400, "logit_bias", None),
     ("logit_bias past the vocabulary", 400, "logit_bias", None),
     ("allowed_token_ids past the vocabulary", 400, "allowed_token_ids", None),
