@@ -6,7 +6,7 @@ stays the one place that validates them: its InvalidArgument names the field, wh
 becomes the error's `param`. Chat requests also take vLLM's chat-template extras
 (add_generation_prompt, continue_final_message, chat_template_kwargs), and a completion
 several prompts, each sampled `n` times (one generation per choice, as vLLM). What OpenAI
-defines and this server does not do (best_of > n, echo, suffix, tools,
+defines and this server does not do (best_of > n, suffix, tool calls,
 structured output, beam search, ...) is refused with 400 naming the field, never silently
 ignored. A field no API defines is ignored and logged, as vLLM does.
 """
@@ -204,10 +204,11 @@ class ChatCompletionRequest(_Sampling):
         super().refuse_unsupported()
         if self.echo:
             raise bad_request("echo", "echo is not supported")
-        if self.tools:
-            raise bad_request("tools", "tool calling is not supported")
-        if self.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice", "tool calling is not supported")
+        # As vLLM: tools default tool_choice to "auto", which needs a tool-call parser; with
+        # "none" the tools are only rendered into the prompt (the chat template's `tools`).
+        if self.tool_choice not in (None, "none") or (self.tools and self.tool_choice is None):
+            raise bad_request("tool_choice", f"tool_choice {self.tool_choice or 'auto'!r} is not supported: this server "
+                                             "parses no tool calls; \"none\" renders the tools into the prompt")
         if self.response_format is not None and self.response_format.type != "text":
             raise bad_request("response_format", f"response_format {self.response_format.type!r} is not supported")
         if self.top_logprobs is not None and not self.logprobs:
@@ -226,8 +227,11 @@ class ChatCompletionRequest(_Sampling):
 
     def template_options(self) -> dict[str, Any]:
         """Keyword arguments for SpeculativeClient.encode_chat beside the messages."""
-        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message, "add_special_tokens": self.add_special_tokens}
+        options = {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
+                   "continue_final_message": self.continue_final_message, "add_special_tokens": self.add_special_tokens}
+        if self.tools:
+            options["tools"] = self.tools
+        return options
 
     def template_messages(self) -> list[dict[str, Any]]:
         """The conversation as the chat template takes it: text content only."""
@@ -556,6 +560,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template, as vLLM's
     return_token_strs: bool = False
 
     def as_request(self) -> CompletionRequest | ChatCompletionRequest:
@@ -568,7 +573,8 @@ class TokenizeRequest(BaseModel):
         chat = ChatCompletionRequest(model=self.model, messages=self.messages, **special,
                                      add_generation_prompt=self.add_generation_prompt,
                                      continue_final_message=self.continue_final_message,
-                                     chat_template_kwargs=self.chat_template_kwargs)
+                                     chat_template_kwargs=self.chat_template_kwargs,
+                                     tools=self.tools, tool_choice="none" if self.tools else None)
         chat.refuse_unsupported()
         return chat
 

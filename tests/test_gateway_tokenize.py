@@ -41,6 +41,9 @@ def bos_model(tmp_path_factory):
     subprocess.run([sys.executable, "-m", "cli", "random-model", "--preset", "tiny", "--out", str(out)],
                    check=True, capture_output=True, timeout=300)
     _prepend_bos(out / "tokenizer.json")
+    template = out / "chat_template.jinja"  # a tools block, as tool-aware templates (Qwen, Llama 3.1) have
+    template.write_text("{%- if tools %}{{ '<|im_start|>system\\nTools: ' + (tools | tojson) + '<|im_end|>\\n' }}"
+                        "{%- endif %}" + template.read_text())
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(out))
@@ -138,3 +141,23 @@ def test_the_model_id_is_the_verifiers_model_without_its_runtime_tag(gateway, oa
         assert oai.completions.create(model=name, prompt="Hello", max_tokens=1).model == name
     with pytest.raises(openai.NotFoundError):
         oai.completions.create(model=f"{model}-other", prompt="Hello", max_tokens=1)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_tools_with_tool_choice_none_are_rendered_into_the_prompt_as_vllm_does(gateway, oai):
+    """vLLM renders `tools` through the chat template when tool_choice is "none"; tools alone
+    default tool_choice to "auto", which needs a tool-call parser: a 400 naming tool_choice."""
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    plain = _post(gateway, "/tokenize", {"messages": messages}).json()
+    with_tools = _post(gateway, "/tokenize", {"messages": messages, "tools": TOOLS}).json()
+    assert with_tools["count"] > plain["count"] + 10  # the tool's JSON schema is in the prompt
+    reply = oai.chat.completions.create(model="", messages=messages, tools=TOOLS, tool_choice="none", max_tokens=2)
+    assert reply.usage.prompt_tokens == with_tools["count"] and reply.choices[0].message.tool_calls is None
+    for choice in ({}, {"tool_choice": "auto"}, {"tool_choice": "required"}):
+        with pytest.raises(openai.BadRequestError) as err:
+            oai.chat.completions.create(model="", messages=messages, tools=TOOLS, max_tokens=2, **choice)
+        assert err.value.body["param"] == "tool_choice"
