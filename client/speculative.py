@@ -576,10 +576,12 @@ class SpeculativeClient:
             raise ValueError("the prompt is empty after tokenization")
         self.check_vocab(params.stop_token_ids, "stop_token_ids: token id")
         max_context = self.verifier_info.max_context
-        if len(prompt_ids) + params.max_tokens > max_context:
+        # The last token is never cached: a generation needs room for all but it (the gateway keeps
+        # vLLM's rule, prompt + max_tokens <= the context, except for an echoed prompt's one token).
+        if len(prompt_ids) + params.max_tokens - 1 > max_context:
             raise ValueError(
                 f"prompt length {len(prompt_ids)} + max_tokens {params.max_tokens} exceeds the verifier's "
-                f"maximum context {max_context}"
+                f"maximum context {max_context} by more than the last token, which is never cached"
             )
         if speculative and self._past_drafter_vocab([*prompt_ids, *params.stop_token_ids]):
             log.info("prompt or stop token ids past the drafter's vocabulary (%d): this generation runs target-only",
@@ -612,6 +614,10 @@ class SpeculativeClient:
                 logprobs = _logprobs_from_pb(response) if gen.result.logprobs is not None else None
                 chunk = gen.output.commit(response.output_token_ids, logprobs, time.perf_counter())
                 if gen.result.num_rounds == 1 and params.prompt_logprobs is not None:  # the round that prefilled
+                    if len(response.prompt_logprobs) != gen.prompt_length - 1:
+                        raise RuntimeError(f"the verifier {gen.verifier.server.address} answered "
+                                           f"{len(response.prompt_logprobs)} prompt logprobs for a prompt of "
+                                           f"{gen.prompt_length} tokens: it does not support prompt_logprobs")
                     scored = _logprobs_from_pb(response, gen.result.prompt_token_ids[1:], response.prompt_logprobs)
                     gen.result.prompt_logprobs = [None, *scored]
                     chunk = replace(chunk, prompt_logprobs=gen.result.prompt_logprobs)

@@ -157,8 +157,7 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
     async def list_models() -> dict:
         client = await upstream.wait_ready()  # like a completion, while the gateway still connects
         info = client.verifier_info
-        names = list(config.served_model_names) or [served_names()[0]]  # the tagged alias is not listed
-        return models_list(names, info.model, info.max_context, started)
+        return models_list(list(served_names()), info.model, info.max_context, started)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -189,6 +188,8 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
     def check_model(model: str | None) -> str:
         names = served_names()
         if model and model not in names:  # "" or None: the first name, as before
+            if not config.served_model_names and model == upstream.require().verifier_info.model:
+                return names[0]  # the tagged name (the id before): answered and counted as the id
             raise APIError(404, f"The model `{model}` does not exist; this server serves {', '.join(names)}.",
                            param="model", code="model_not_found")
         return model or names[0]
@@ -206,12 +207,11 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
     def served_names() -> tuple[str, ...]:
         """--served-model-name, else the verifier's model name without its runtime tag
         ("[float32+onednn]"), so the id clients send survives a restart with other dtype or kernel
-        flags; the tagged name (the id before) is still accepted."""
+        flags."""
         if config.served_model_names:
             return config.served_model_names
         model = upstream.require().verifier_info.model
-        untagged = re.sub(r"\[[^\]]*\]$", "", model) or model
-        return (untagged, model) if untagged != model else (model,)
+        return (re.sub(r"\[[^\]]*\]$", "", model) or model,)
 
     async def generate(request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> Response:
         endpoint = CHAT if chat else COMPLETIONS

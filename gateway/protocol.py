@@ -124,6 +124,8 @@ class _Sampling(BaseModel):
             raise bad_request("n", f"n must be >= 1, got {self.n}")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options", "stream_options needs stream=true")
+        if self.stream and self.prompt_logprobs is not None:  # vLLM's rule (an echoed prompt's logprobs do stream)
+            raise bad_request("prompt_logprobs", "prompt_logprobs are not available when stream=true")
 
 
 class CompletionRequest(_Sampling):
@@ -258,11 +260,12 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_token
     chat = isinstance(req, ChatCompletionRequest)
     prompt_field = "messages" if chat else "prompt"
     max_field, max_tokens = "max_tokens", req.max_tokens
-    if not chat and req.echo_only:
-        max_tokens = 1
+    echo_only = not chat and req.echo_only
+    if echo_only:  # a prompt that fills the context is scored whole (lm-eval's full windows), as vLLM
+        max_tokens = 1  # the token its logits need, never cached, dropped from the answer
     if chat and req.max_completion_tokens is not None:
         max_field, max_tokens = "max_completion_tokens", req.max_completion_tokens
-    if prompt_tokens >= max_context:
+    if prompt_tokens > max_context or (prompt_tokens == max_context and not echo_only):
         raise bad_request(prompt_field, f"This model's maximum context length is {max_context} tokens. However, your "
                                         f"{prompt_field} {'have' if prompt_field == 'messages' else 'has'} "
                                         f"{prompt_tokens} tokens, which leaves no room for a "
@@ -271,7 +274,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_token
         # an unset max_tokens never makes a prompt that fits fail: the default shrinks to the room left
         room = max_context - prompt_tokens
         max_tokens = room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
-    elif prompt_tokens + max_tokens > max_context:
+    elif prompt_tokens + max_tokens > max_context + echo_only:
         raise bad_request(max_field, f"This model's maximum context length is {max_context} tokens. However, you "
                                      f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
                                      f"{prompt_field}, {max_tokens} in the completion). Please reduce the length of "

@@ -23,6 +23,11 @@ class SessionNotFound(SpecDecError):
     """The session id is unknown, closed, expired or evicted (NOT_FOUND)."""
 
 
+class SessionClosed(SessionNotFound):
+    """The session was closed while this call was in flight: its client gave up on it
+    (NOT_FOUND; counted apart from engine failures)."""
+
+
 class SessionBusy(SpecDecError):
     """Another call on the same session is in flight (FAILED_PRECONDITION)."""
 

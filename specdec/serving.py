@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.batching import BatchPolicy, BatchScheduler, WorkItem
-from specdec.errors import InvalidArgument, OutOfRange, ResourceExhausted, SessionNotFound
+from specdec.errors import InvalidArgument, OutOfRange, ResourceExhausted, SessionClosed
 from specdec.models import CausalLM, ModelSpec, device_uuid, tokenizer_source
 from specdec.sampling import SamplingParams, TokenContext
 from specdec.sessions import SessionStore
@@ -156,6 +156,7 @@ class ServingStats:
 
     requests: int = 0
     failed_requests: int = 0
+    cancelled_requests: int = 0  # dropped: their session closed while they were in flight (drop_closed)
     forwards: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -195,6 +196,11 @@ class EngineConfig:
 DEFAULT_BATCHED_TOKENS = {"cpu": 256, "cuda": 2048}
 
 
+def _failure_counter(exc: BaseException) -> str:
+    """A call its client gave up on is no engine failure (alerts watch failed_requests)."""
+    return "cancelled_requests" if isinstance(exc, SessionClosed) else "failed_requests"
+
+
 def drop_closed(items: list[WorkItem]) -> list[WorkItem]:
     """The items whose session is still open; the others fail NOT_FOUND without running. A
     client that gives up on a generation (a cancelled HTTP request) closes its sessions, and a
@@ -204,8 +210,8 @@ def drop_closed(items: list[WorkItem]) -> list[WorkItem]:
     for item in items:
         session = item.payload.session
         if session.closed:
-            item.future.set_exception(SessionNotFound(f"session {session.session_id} was closed while its call was "
-                                                      "in flight"))
+            item.future.set_exception(SessionClosed(f"session {session.session_id} was closed while its call was in "
+                                                    "flight"))
         else:
             live.append(item)
     return live
@@ -381,8 +387,8 @@ class ServingModel:
             self.running.touch([session.session_id], time.monotonic())
         try:
             result = self.scheduler.submit(payload)
-        except BaseException:
-            self.stats.add(failed_requests=1)
+        except BaseException as exc:
+            self.stats.add(**{_failure_counter(exc): 1})
             raise
         self.stats.add(requests=1)
         return result
@@ -405,7 +411,7 @@ class ServingModel:
                 out.append(future.result())
                 self.stats.add(requests=1)
             except Exception as exc:  # noqa: BLE001 - this request alone failed
-                self.stats.add(failed_requests=1)
+                self.stats.add(**{_failure_counter(exc): 1})
                 out.append(exc)
         return out
 

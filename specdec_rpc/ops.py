@@ -449,6 +449,8 @@ class ObservingInterceptor(grpc.ServerInterceptor):
 _COUNTERS = {
     "requests": ("specdec_engine_requests", "requests the engine completed"),
     "failed_requests": ("specdec_engine_failed_requests", "requests the engine failed"),
+    "cancelled_requests": ("specdec_engine_cancelled_requests",
+                           "requests dropped because their session was closed while they were in flight"),
     "forwards": ("specdec_forwards", "model forwards"),
     "draft_tokens": ("specdec_draft_tokens", "draft tokens proposed (drafter) / received (verifier)"),
     "accepted_tokens": ("specdec_accepted_tokens", "draft tokens accepted"),

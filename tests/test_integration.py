@@ -178,8 +178,8 @@ def test_client_refuses_mismatched_vocabularies_and_oversized_requests(client):
     with pytest.raises(IncompatibleModels, match="vocab_size .* is larger than verifier vocab_size"):
         check_compatible(ModelInfo(**{**info.__dict__, "vocab_size": info.vocab_size + 128}), info)
     check_compatible(ModelInfo(**{**info.__dict__, "vocab_size": info.vocab_size - 128}), info)  # a padded target head
-    with pytest.raises(ValueError, match="maximum context"):
-        client.generate("hello", SamplingParams(max_tokens=info.max_context))
+    with pytest.raises(ValueError, match="maximum context"):  # "hello" is one token: two past what fits
+        client.generate("hello", SamplingParams(max_tokens=info.max_context + 1))
 
 
 def test_the_python_client_takes_text_token_ids_or_chat_messages_and_names_what_it_refuses(client):
@@ -384,7 +384,8 @@ def test_closing_a_session_drops_the_rest_of_its_calls_prefill(verifier_stub, dr
     else:
         call = service.Draft.future(pb.DraftRequest(session_id=sid, truncate_to=0, append_token_ids=ids,
                                                     num_draft_tokens=2, sampling=sampling, prompt_length=len(ids)))
-    before = service.GetStats(pb.StatsRequest()).forwards
+    stats = service.GetStats(pb.StatsRequest())
+    before = stats.forwards
     deadline = time.monotonic() + 60
     while service.GetStats(pb.StatsRequest()).forwards == before and not call.done():  # its first chunk ran
         assert time.monotonic() < deadline
@@ -393,6 +394,8 @@ def test_closing_a_session_drops_the_rest_of_its_calls_prefill(verifier_stub, dr
     with pytest.raises(grpc.RpcError) as err:
         call.result(timeout=60)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND and "closed while its call was in flight" in err.value.details()
-    stopped = service.GetStats(pb.StatsRequest()).forwards
+    after = service.GetStats(pb.StatsRequest())
     time.sleep(0.5)
-    assert service.GetStats(pb.StatsRequest()).forwards == stopped  # nothing more ran for it
+    assert service.GetStats(pb.StatsRequest()).forwards == after.forwards  # nothing more ran for it
+    # A client giving up is no engine failure (alerts watch failed_requests).
+    assert (after.cancelled_requests, after.failed_requests) == (stats.cancelled_requests + 1, stats.failed_requests)

@@ -148,9 +148,24 @@ def test_prompt_logprobs_field_has_vllms_shape(oai, reference):
     assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])  # 0: the prompt token's own alone
 
 
+def test_echo_scores_a_prompt_that_fills_the_context(oai):
+    """lm-eval's rolling loglikelihood sends full windows of exactly the context: vLLM scores
+    them (prompt + max_tokens 0 fits); one token more is context_length_exceeded."""
+    context = oai.models.list().data[0].model_extra["max_model_len"]
+    window = [(7 * i) % 1000 + 100 for i in range(context)]
+    choice = oai.completions.create(model="", prompt=window, echo=True, logprobs=0, max_tokens=0).choices[0]
+    assert len(choice.logprobs.token_logprobs) == context and choice.logprobs.token_logprobs[0] is None
+    assert all(lp is not None for lp in choice.logprobs.token_logprobs[1:])
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model="", prompt=window + [100], echo=True, logprobs=0, max_tokens=0)
+    assert err.value.body["code"] == "context_length_exceeded"
+
+
 @pytest.mark.parametrize("fields,param", [({"max_tokens": 0}, "max_tokens"),
                                           ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
-                                          ({"extra_body": {"prompt_logprobs": -1}}, "prompt_logprobs")])
+                                          ({"extra_body": {"prompt_logprobs": -1}}, "prompt_logprobs"),
+                                          # vLLM's rule: not in a stream (an echoed prompt's logprobs are)
+                                          ({"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs")])
 def test_max_tokens_0_without_echo_and_prompt_logprobs_out_of_range_are_400(oai, fields, param):
     with pytest.raises(openai.BadRequestError) as err:
         oai.completions.create(model="", prompt=PROMPT, **fields)
