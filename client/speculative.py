@@ -61,6 +61,10 @@ log = logging.getLogger(__name__)
 
 AUTO = "auto"  # num_speculative_tokens: adaptive γ per round, 0 included (the default)
 AUTO_GAMMA_MAX = 8
+# Adaptive γ drafts nothing from this many sessions on a verifier whose GPU the drafter shares:
+# two processes time-slice one GPU, as two engines oversubscribe one host's cores (the verifier's
+# CPU default of --speculative-disable-by-batch-size; ServingCosts.shared_gpu_cap).
+SHARED_GPU_DISABLE_BY_BATCH_SIZE = 2
 # A drafter this many tokens behind the committed sequence (its first prefill, a failover)
 # catches up off the critical path, during target-only rounds, instead of inside a Draft.
 ASYNC_CATCHUP_TOKENS = 32
@@ -657,6 +661,7 @@ class SpeculativeClient:
             shared_device=shares_device(self.drafter_info, self.verifier_info),
         )
         gen.counted_on.begin()
+        gen.counted_on.shared_gpu_cap = shared_gpu_cap(self.drafter_info, self.verifier_info)
         if controller is not None:
             controller.attach(gen.counted_on)
         return gen
@@ -1337,6 +1342,13 @@ def shares_device(drafter: ModelInfo | None, verifier: ModelInfo) -> bool:
     if drafter.device.startswith("cpu") and verifier.device.startswith("cpu"):
         return True
     return bool(drafter.device_uuid) and drafter.device_uuid == verifier.device_uuid
+
+
+def shared_gpu_cap(drafter: ModelInfo | None, verifier: ModelInfo) -> int:
+    """ServingCosts.shared_gpu_cap for this pair: SHARED_GPU_DISABLE_BY_BATCH_SIZE when both
+    engines time-slice one GPU; 0 on separate devices, and on CPUs (the verifier's own cap)."""
+    on_gpu = shares_device(drafter, verifier) and not verifier.device.startswith("cpu")
+    return SHARED_GPU_DISABLE_BY_BATCH_SIZE if on_gpu else 0
 
 
 def _smallest_limits(info: ModelInfo, infos: Sequence[ModelInfo]) -> ModelInfo:

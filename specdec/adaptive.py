@@ -46,7 +46,10 @@ rounds, and every `probe_every` of them one short round re-measures α and the d
 the estimates never go stale (a probe is skipped where the drafter would first have to
 prefill the whole sequence: that is no cheap probe). Speculation resumes when the load
 drops without one: the model is evaluated at the B the verifier reports every round. A verifier that
-reports `speculation_disabled` (its operator's cap) gets γ = 0 without probes.
+reports `speculation_disabled` (its operator's cap) gets γ = 0 without probes; so does a client
+whose drafter and verifier time-slice one GPU once it runs `shared_gpu_cap` sessions there (the
+CPU cap's reason, on a GPU: on an H200 a copy drafter beside the verifier made each 2.7 ms verify
+step 26 ms at concurrency 8, 0.70x of target-only).
 
 A seeded request (`deterministic`) must give the same output alone or under load, and which
 positions are verified as drafts and which are sampled as bonus tokens decides which of its
@@ -123,12 +126,20 @@ class ServingCosts:
         self.draft_overhead = 0.0  # seconds per Draft call beyond its engine steps
         self.reported_running = 1  # sessions running on the verifier (B), as it last reported
         self.local_running = 0  # this client's generations in flight on it (begin / end)
-        self.disabled = False  # the verifier asks for no drafts (--speculative-disable-by-batch-size)
+        self.verifier_disabled = False  # the verifier asks for no drafts (--speculative-disable-by-batch-size)
+        # Drafter and verifier on one GPU (two processes time-slice it): no drafts from this many
+        # running sessions on; 0 = no such cap (separate devices, or CPUs: the verifier's cap)
+        self.shared_gpu_cap = 0
         self._alpha = [0.0, 0.0]  # decayed [accepted, trials] of all generations
         self._zero_rounds = 0  # γ = 0 rounds of all generations since the last probe
         self._probe_backoff = 1  # probes that found γ 0 still right space the next ones out (x2, up to x8)
         self.probe_owed = False  # a probe chosen where the drafter held nothing: the next round to draft runs it
         self._lock = threading.Lock()
+
+    @property
+    def disabled(self) -> bool:
+        """No drafts now: the verifier's operator cap, or this client's own on a shared GPU."""
+        return self.verifier_disabled or 0 < self.shared_gpu_cap <= self.running
 
     @property
     def running(self) -> int:
@@ -153,7 +164,7 @@ class ServingCosts:
         (no chunked prefill), so its cost and overhead are a sample of the model."""
         with self._lock:
             self.reported_running = max(1, load.running_sessions)
-            self.disabled = load.speculation_disabled
+            self.verifier_disabled = load.speculation_disabled
             if fit and load.step_tokens > 0:
                 step_s = load.step_ms / 1e3
                 self.verify.add(load.step_tokens, step_s)

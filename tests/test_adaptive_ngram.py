@@ -185,3 +185,28 @@ def test_deterministic_controller_still_adapts_to_acceptance():
     assert set(tail) == {0, ctl.probe_gamma}
     probes = [i for i, g in enumerate(tail) if g]
     assert all(b - a == ctl.probe_every + 1 for a, b in zip(probes, probes[1:]))
+
+
+def test_a_shared_gpu_caps_adaptive_drafting_under_load_as_the_cpu_cap_does():
+    """Drafter and verifier time-slicing one GPU (ServingCosts.shared_gpu_cap 2): a session
+    alone drafts; from two sessions on, counted by the client or reported by the verifier, an
+    adaptive controller drafts nothing and probes nothing, as under the verifier's
+    --speculative-disable-by-batch-size; a seeded (deterministic) schedule is unaffected."""
+    costs = ServingCosts()
+    costs.shared_gpu_cap = 2
+    costs.begin()
+    ctl = AdaptiveGamma(gamma_min=0, gamma_max=8)
+    ctl.attach(costs)
+    seeded = AdaptiveGamma(gamma_min=0, gamma_max=8, deterministic=True)
+    seeded.attach(costs)
+    assert not costs.disabled and ctl.next_gamma() > 0
+    costs.begin()  # a second generation of this client
+    assert costs.disabled and [ctl.next_gamma() for _ in range(40)] == [0] * 40
+    assert seeded.next_gamma() > 0
+    costs.end()
+    assert not costs.disabled
+    costs.observe_verify(EngineLoad(running_sessions=3, step_rows=3, step_tokens=3, step_ms=5.0), latency_s=0.006)
+    assert costs.disabled  # other clients' sessions on the verifier count too
+    without = ServingCosts()  # separate devices: no cap
+    without.observe_verify(EngineLoad(running_sessions=3, step_rows=3, step_tokens=3, step_ms=5.0), latency_s=0.006)
+    assert not without.disabled

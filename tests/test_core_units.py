@@ -429,6 +429,12 @@ def test_engines_share_a_device_on_cpus_or_one_gpu_uuid():
     assert not shares_device(info("cuda", gpu_a), info("cpu"))
     assert not shares_device(info("cuda"), info("cuda"))  # a server before device_uuid: not known to share
     assert not shares_device(None, info("cpu"))  # no drafter
+    # Adaptive γ's own cap (as the verifier's CPU default) applies where they time-slice a GPU only.
+    from client.speculative import SHARED_GPU_DISABLE_BY_BATCH_SIZE, shared_gpu_cap
+
+    assert shared_gpu_cap(info("cuda", gpu_a), info("cuda:0", gpu_a)) == SHARED_GPU_DISABLE_BY_BATCH_SIZE
+    assert shared_gpu_cap(info("cuda", gpu_a), info("cuda", gpu_b)) == 0
+    assert shared_gpu_cap(info("cpu"), info("cpu")) == 0 and shared_gpu_cap(None, info("cuda", gpu_a)) == 0
     from specdec_rpc.adapters import model_info_from_pb, model_info_to_pb
 
     assert model_info_from_pb(model_info_to_pb(info("cuda", gpu_a))) == info("cuda", gpu_a)  # on the wire too
