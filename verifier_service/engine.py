@@ -246,23 +246,25 @@ class VerifierEngine(ServingModel):
         unfinished = {id(r) for r in waiting} | {id(r) for r, _ in chunks}
         # A row keeps the logits of its last `keep` positions: the verified ones (a chunk's last,
         # unused), or all of them when its head has prompt tokens to score (prompt_logprobs).
+        stepped = reqs + [r for r, _ in chunks]  # in row order
         scored = [r.prompt_scored(len(r.append_token_ids) - 1) for r in reqs]
-        chunk_scored = [r.prompt_scored(len(chunk)) for r, chunk in chunks]
+        scored += [r.prompt_scored(len(chunk)) for r, chunk in chunks]
         rows = [Row(r.session.cache, r.append_token_ids + r.draft_token_ids,
                     r.width if n else len(r.draft_token_ids) + 1) for r, n in zip(reqs, scored)]
-        rows += [Row(r.session.cache, chunk, len(chunk) if n else 1) for (r, chunk), n in zip(chunks, chunk_scored)]
-        for r in reqs + [r for r, _ in chunks]:
+        rows += [Row(r.session.cache, chunk, len(chunk) if n else 1)
+                 for (r, chunk), n in zip(chunks, scored[len(reqs):])]
+        for r in stepped:
             if r.queue_ms is None:
                 r.queue_ms = (start - r.submitted) * 1e3
                 self.phases.observe("queue", r.queue_ms)
         # Fresh for the window while a long prompt's chunks run; counted after the step (below).
-        self.running.touch([r.session.session_id for r in reqs + [r for r, _ in chunks]], time.monotonic())
+        self.running.touch([r.session.session_id for r in stepped], time.monotonic())
         step_tokens = sum(len(row.token_ids) for row in rows)
         timer = DeviceTimer(self.lm.device)
         if not reqs:  # prefill chunks only
             prepared = time.perf_counter()
             timer.start()
-            self._score_chunks(chunks, chunk_scored, self.lm.forward_rows(rows))
+            self._score_prompts(stepped, scored, self.lm.forward_rows(rows))
             timer.stop()
             self.stats.add(forwards=1)
             self._advance_chunks(chunks)
@@ -278,12 +280,9 @@ class VerifierEngine(ServingModel):
         prepared = time.perf_counter()
         timer.start()
         logits = self.lm.forward_rows(rows)  # per row [keep, V]
-        self._score_chunks(chunks, chunk_scored, logits[len(reqs):])
-        for i, (r, n) in enumerate(zip(reqs, scored)):
-            if n:  # the head of its logits scores its prompt; the tail, [K_b + 1, V], is verified
-                self._score_prompt(r, logits[i][:n], r.append_token_ids[1 : n + 1])
-                logits[i] = logits[i][-(len(r.draft_token_ids) + 1):]
-        logits = logits[:len(reqs)]  # B x [K_b + 1, V]
+        self._score_prompts(stepped, scored, logits)
+        # B x [K_b + 1, V]: a row that scored its prompt keeps its verified tail
+        logits = [row[-(len(r.draft_token_ids) + 1):] if n else row for r, n, row in zip(reqs, scored, logits)]
         target = self._process_logits(reqs, logits)  # [B, K + 1, V]
         out = speculative_sample(target, backend=self.sampler_backend, **sampler_args)
         timer.stop()
@@ -431,20 +430,17 @@ class VerifierEngine(ServingModel):
             r.starved_steps = r.starved_steps + 1 if id(r) in starved else 0
         return whole, chunks, waiting
 
-    def _score_chunks(self, chunks: list[tuple[_Request, list[int]]], scored: list[int],
-                      logits: list[torch.Tensor]) -> None:
-        """A chunk's logits [n, V] predict the n appended tokens after its first (the last of
-        them opens the next chunk, which always exists): the prompt_logprobs of those in the prompt."""
-        for (r, _), n, chunk_logits in zip(chunks, scored, logits):
-            if n:
-                self._score_prompt(r, chunk_logits[:n], r.append_token_ids[1 : n + 1])
-
     @staticmethod
-    def _score_prompt(r: _Request, logits: torch.Tensor, tokens: list[int]) -> None:
-        """logits [n, V] raw, of the positions before `tokens` [n]: vLLM's prompt logprobs are the
-        model's own distribution, before any sampling parameter."""
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        r.prompt_lp.extend(TokenLogprob(*x) for x in ranked_logprobs(logp, tokens, r.params.prompt_logprobs))
+    def _score_prompts(stepped: list[_Request], scored: list[int], logits: list[torch.Tensor]) -> None:
+        """prompt_logprobs: the first n = scored[i] logits of a row [n, V] predict the n appended
+        tokens after its first (for a chunk, the last of them opens the next chunk, which always
+        exists). Raw: vLLM's prompt logprobs are the model's own distribution, before any
+        sampling parameter."""
+        for r, n, row in zip(stepped, scored, logits):
+            if n:
+                logp = torch.log_softmax(row[:n].float(), dim=-1)
+                r.prompt_lp.extend(TokenLogprob(*x) for x in ranked_logprobs(logp, r.append_token_ids[1 : n + 1],
+                                                                              r.params.prompt_logprobs))
 
     def _advance_chunks(self, chunks: list[tuple[_Request, list[int]]]) -> None:
         """The chunks are in their sessions' caches now: move them from the requests' appends."""

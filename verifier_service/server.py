@@ -15,7 +15,7 @@ from specdec_rpc.adapters import (
     SessionMethods, load_to_pb, proposal_from_pb, rpc_method, run_until_signal, sampling_from_pb, serve, status_for,
 )
 from specdec_rpc.ops import caller_owner
-from verifier_service.engine import VerifierEngine, VerifyCall, VerifyOut
+from verifier_service.engine import TokenLogprob, VerifierEngine, VerifyCall, VerifyOut
 
 
 log = logging.getLogger(__name__)
@@ -149,12 +149,14 @@ def _call(request: pb.VerifyRequest, owner: str | None) -> VerifyCall:
 def _response(out: VerifyOut) -> pb.VerifyResponse:
     return pb.VerifyResponse(
         output_token_ids=out.output_token_ids, num_accepted=out.num_accepted, kv_length=out.kv_length,
-        logprobs=[pb.TokenLogprobs(logprob=lp.logprob, rank=lp.rank, top_token_ids=lp.top_token_ids,
-                                   top_logprobs=lp.top_logprobs) for lp in out.logprobs or []],
-        load=load_to_pb(out.load),
-        prompt_logprobs=[pb.TokenLogprobs(logprob=lp.logprob, rank=lp.rank, top_token_ids=lp.top_token_ids,
-                                          top_logprobs=lp.top_logprobs) for lp in out.prompt_logprobs or []],
+        logprobs=_token_logprobs(out.logprobs), load=load_to_pb(out.load),
+        prompt_logprobs=_token_logprobs(out.prompt_logprobs),
     )
+
+
+def _token_logprobs(entries: list[TokenLogprob] | None) -> list[pb.TokenLogprobs]:
+    return [pb.TokenLogprobs(logprob=lp.logprob, rank=lp.rank, top_token_ids=lp.top_token_ids,
+                             top_logprobs=lp.top_logprobs) for lp in entries or []]
 
 
 def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
