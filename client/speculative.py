@@ -615,14 +615,15 @@ class SpeculativeClient:
                 response, verify_s = await self._verify_round(gen, drafts, proposal)
                 if gen.controller is not None and steady:
                     gen.controller.update(len(drafts), response.num_accepted, draft_s, verify_s)
-                logprobs = _logprobs_from_pb(response) if gen.result.logprobs is not None else None
+                logprobs = (_logprobs_from_pb(response.output_token_ids, response.logprobs)
+                            if gen.result.logprobs is not None else None)
                 chunk = gen.output.commit(response.output_token_ids, logprobs, time.perf_counter())
                 if gen.result.num_rounds == 1 and params.prompt_logprobs is not None:  # the round that prefilled
                     if len(response.prompt_logprobs) != gen.prompt_length - 1:
                         raise RuntimeError(f"the verifier {gen.verifier.server.address} answered "
                                            f"{len(response.prompt_logprobs)} prompt logprobs for a prompt of "
                                            f"{gen.prompt_length} tokens: it does not support prompt_logprobs")
-                    scored = _logprobs_from_pb(response, gen.result.prompt_token_ids[1:], response.prompt_logprobs)
+                    scored = _logprobs_from_pb(gen.result.prompt_token_ids[1:], response.prompt_logprobs)
                     gen.result.prompt_logprobs = [None, *scored]
                     chunk = replace(chunk, prompt_logprobs=gen.result.prompt_logprobs)
                 gen.committed += chunk.token_ids
@@ -901,20 +902,26 @@ class SpeculativeClient:
         in_line = False  # this generation has had its turn in the pool's queue
         ticket = None  # its place in that queue while shared verifiers refuse it
         refusal = ""  # the last refusal's details
+
+        async def wait_for_room() -> None:  # first in the pool's line, and room on a verifier
+            if not await self.verifiers.wait_for_room(max(0.0, queue_deadline - time.monotonic())):
+                raise TimeoutError(f"every verifier held its maximum of sessions for {self.timeout_s:g} s "
+                                   f"({self.verifiers.live_sessions()}); raise --max-sessions or add verifiers")
+
+        def refused_too_long() -> TimeoutError:
+            return TimeoutError(f"every verifier refused a session for {self.timeout_s:g} s (the last: {refusal}); "
+                                "raise --max-sessions or add verifiers")
+
         try:
             while True:
                 if not in_line and ticket is None and self.verifiers.queued():
                     # Others wait for room: a newcomer takes its place behind them, first come first served.
                     in_line = True
-                    if not await self.verifiers.wait_for_room(max(0.0, queue_deadline - time.monotonic())):
-                        raise TimeoutError(f"every verifier held its maximum of sessions for {self.timeout_s:g} s "
-                                           f"({self.verifiers.live_sessions()}); raise --max-sessions or add "
-                                           "verifiers")
+                    await wait_for_room()
                 if ticket is not None and not self.verifiers.first(ticket):
                     # Refused before, and behind generations refused earlier: they try first.
                     if time.monotonic() >= queue_deadline:
-                        raise TimeoutError(f"every verifier refused a session for {self.timeout_s:g} s (the last: "
-                                           f"{refusal}); raise --max-sessions or add verifiers")
+                        raise refused_too_long()
                     await asyncio.sleep(_REFUSED_POLL_S)
                     continue
                 refused: list[grpc.RpcError] = []
@@ -930,8 +937,7 @@ class SpeculativeClient:
                     refusal = refused[-1].details()
                     left = queue_deadline - time.monotonic()
                     if left <= 0:
-                        raise TimeoutError(f"every verifier refused a session for {self.timeout_s:g} s (the last: "
-                                           f"{refusal}); raise --max-sessions or add verifiers")
+                        raise refused_too_long()
                     await asyncio.sleep(min(poll, left))
                     poll = min(2 * poll, _POLL_S)
                     deadline = time.monotonic() + self.recovery_timeout_s
@@ -944,10 +950,7 @@ class SpeculativeClient:
                     # Queued: every verifier holds all the sessions it admits; one frees when a
                     # generation ends. (Picking one anyway would evict an idle session to re-prefill.)
                     in_line = True
-                    if not await self.verifiers.wait_for_room(max(0.0, queue_deadline - time.monotonic())):
-                        raise TimeoutError(f"every verifier held its maximum of sessions for {self.timeout_s:g} s "
-                                           f"({self.verifiers.live_sessions()}); raise --max-sessions or add "
-                                           "verifiers")
+                    await wait_for_room()
                     deadline = time.monotonic() + self.recovery_timeout_s
                     continue
                 error = error or (errors[0] if errors else None)
@@ -1277,11 +1280,8 @@ def _check_fanout(value: int) -> int:
     return value
 
 
-def _logprobs_from_pb(response: pb.VerifyResponse, token_ids: Sequence[int] | None = None,
-                      entries: Sequence[pb.TokenLogprobs] | None = None) -> list[dict]:
-    """One entry per token (default: the output's): its logprob, rank and top-N {token id: logprob}."""
-    token_ids = response.output_token_ids if token_ids is None else token_ids
-    entries = response.logprobs if entries is None else entries
+def _logprobs_from_pb(token_ids: Sequence[int], entries: Sequence[pb.TokenLogprobs]) -> list[dict]:
+    """One entry per token: its logprob, rank and top-N {token id: logprob}."""
     return [{"token_id": tok, "logprob": lp.logprob, "rank": lp.rank,
              "top_logprobs": dict(zip(lp.top_token_ids, lp.top_logprobs))}
             for tok, lp in zip(token_ids, entries)]
