@@ -90,25 +90,24 @@ def warm_up(vocab_size: int, max_draft_tokens: int, device: torch.device) -> int
     number of variants launched."""
     variants = 0
     kpad = 1
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        while True:
-            k = kpad
-            p = torch.full((1, k + 1, vocab_size), 1.0 / vocab_size, device=device)
-            drafts = torch.zeros(1, k, dtype=torch.int64, device=device)
-            num_draft = torch.full((1,), k, dtype=torch.int64, device=device)
-            draws = torch.full((1, k + 1, 2), 0.5, dtype=torch.float64, device=device)
-            q = p[:, :k].contiguous()
-            argmax, typical = p.argmax(dim=-1), torch.ones(1, k, dtype=torch.bool, device=device)
-            for code, with_argmax, with_typical in (("rejection", False, False), ("greedy", True, False),
-                                                    ("typical", True, True)):
-                method = torch.full((1,), METHOD_CODES[code], dtype=torch.int32, device=device)
-                for q_, q_sums in ((q, q.sum(dim=-1)), (None, None)):
-                    chain_verify(p, drafts, q_, q_sums, num_draft, draws, method, argmax if with_argmax else None,
-                                 typical if with_typical else None)
-                    variants += 1
-            if kpad >= max_draft_tokens:
-                return variants
-            kpad *= 2
+    while True:  # (chain_verify launches under `device`: no current-device guard is needed here)
+        k = kpad
+        p = torch.full((1, k + 1, vocab_size), 1.0 / vocab_size, device=device)
+        drafts = torch.zeros(1, k, dtype=torch.int64, device=device)
+        num_draft = torch.full((1,), k, dtype=torch.int64, device=device)
+        draws = torch.full((1, k + 1, 2), 0.5, dtype=torch.float64, device=device)
+        q = p[:, :k].contiguous()
+        argmax, typical = p.argmax(dim=-1), torch.ones(1, k, dtype=torch.bool, device=device)
+        for code, with_argmax, with_typical in (("rejection", False, False), ("greedy", True, False),
+                                                ("typical", True, True)):
+            method = torch.full((1,), METHOD_CODES[code], dtype=torch.int32, device=device)
+            for q_, q_sums in ((q, q.sum(dim=-1)), (None, None)):
+                chain_verify(p, drafts, q_, q_sums, num_draft, draws, method, argmax if with_argmax else None,
+                             typical if with_typical else None)
+                variants += 1
+        if kpad >= max_draft_tokens:
+            return variants
+        kpad *= 2
 
 
 def chain_verify(
