@@ -244,16 +244,15 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
                                                             n))]
         echo = not chat and body.echo
         # The echoed text is the prompt as sent (token ids: their text), as vLLM's.
-        echoed = [(p if isinstance(p, str) else client.tokenizer.decode(p), ids)
-                  for p, ids in zip(raw_prompts, prompts)] if echo else []
+        echo_texts = [p if isinstance(p, str) else client.tokenizer.decode(p) for p in raw_prompts] if echo else []
         builder = ResponseBuilder(chat=chat, model=model, prompt_tokens=sum(map(len, prompts)),
                                   decode=upstream.decode_token, logprobs=choices[0][1].logprobs is not None,
                                   include_usage=bool(body.stream_options and body.stream_options.include_usage),
                                   continuous_usage=bool(body.stream_options and body.stream_options.include_usage
                                                         and body.stream_options.continuous_usage_stats),
-                                  choice_prompt_tokens=[len(prompts[i // n]) for i in range(len(choices))],
+                                  choice_prompts=[ids for ids, _, _ in choices],
                                   num_choices=len(choices), echo=echo, echo_only=echo and body.echo_only,
-                                  prompts=[echoed[i // n] for i in range(len(choices))] if echo else [],
+                                  echo_texts=[echo_texts[i // n] for i in range(len(choices))] if echo else [],
                                   prompt_logprobs=choices[0][1].prompt_logprobs is not None)
         runs: list[_Choice] = []
         try:

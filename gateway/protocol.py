@@ -394,12 +394,12 @@ class ResponseBuilder:
     decode: Any  # token id -> its text
     include_usage: bool = False
     continuous_usage: bool = False
-    choice_prompt_tokens: list[int] = field(default_factory=list)  # per choice (continuous_usage)
+    choice_prompts: list[list[int]] = field(default_factory=list)  # per choice: its prompt's ids
     logprobs: bool = False
     num_choices: int = 1
     echo: bool = False
     echo_only: bool = False
-    prompts: list[tuple[str, list[int]]] = field(default_factory=list)  # per choice: its prompt's text and ids
+    echo_texts: list[str] = field(default_factory=list)  # per choice: its prompt's text (echo)
     prompt_logprobs: bool = False
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
@@ -482,7 +482,7 @@ class ResponseBuilder:
             text, entries = "", [] if entries is not None else None
         if not self.echo:
             return text, entries
-        prompt_text, prompt_ids = self.prompts[index]
+        prompt_text, prompt_ids = self.echo_texts[index], self.choice_prompts[index]
         if entries is not None:
             scored = prompt_logprobs or [None] * len(prompt_ids)
             entries = [{"token_id": t, "logprob": None, "top_logprobs": {}} if e is None else e
@@ -510,8 +510,7 @@ class ResponseBuilder:
                   "finish_reason": finish_reason}
         so_far = None
         if self.continuous_usage:
-            so_far = usage(self.choice_prompt_tokens[index] if self.choice_prompt_tokens else self.prompt_tokens,
-                           self._generated.get(index, 0))
+            so_far = usage(len(self.choice_prompts[index]), self._generated.get(index, 0))
         return self._envelope([choice], so_far)
 
     def _envelope(self, choices: list, usage_: dict | None) -> dict:
