@@ -111,29 +111,40 @@ def test_prompt_length_past_the_sequence_is_invalid_argument(stubs):
 
 def test_first_token_with_top_p_and_sparse_proposals_follows_target(stubs, target_lm, int8_lm):
     """H0: the first token ~ p processed with top_p 0.9 (temperature 1). 400 rounds over gRPC
-    with the int8 drafter, sparse top-16 proposals, gamma 2, seeds 0..399; one session per
-    side is prefilled once and every round truncates back to the prompt."""
+    with the int8 drafter, sparse top-16 proposals, gamma 2, seeds 0..399, from 8 sessions
+    per side at once (the services batch their rounds); each session is prefilled once and
+    every later round truncates back to the prompt."""
     params = SamplingParams(top_p=0.9)
     drafter, verifier = stubs
     ids = target_lm.tokenizer("My favourite animal is the", add_special_tokens=False).input_ids
-    d = drafter.OpenSession(pb.OpenSessionRequest()).session_id
-    v = verifier.OpenSession(pb.OpenSessionRequest()).session_id
     fmt = proposal_format_to_pb(ProposalFormat(kind=SPARSE, top_n=16))
-    n, counts, accepted = 400, collections.Counter(), 0
-    for seed in range(n):
-        sampling = sampling_to_pb(params.replace(seed=seed))
-        keep = 0 if seed == 0 else len(ids) - 1  # after the first round, re-send only the last prompt token
-        r = drafter.Draft(pb.DraftRequest(session_id=d, truncate_to=keep, append_token_ids=ids[keep:],
-                                          num_draft_tokens=2, sampling=sampling, proposal_format=fmt,
-                                          prompt_length=len(ids)))
-        assert r.proposal.kind == pb.SPARSE_TOP_N and list(r.proposal.shape) == [2, 16]
-        vr = verifier.Verify(pb.VerifyRequest(session_id=v, truncate_to=keep, append_token_ids=ids[keep:],
-                                              draft_token_ids=list(r.draft_token_ids), proposal=r.proposal,
-                                              sampling=sampling, prompt_length=len(ids)))
-        counts[vr.output_token_ids[0]] += 1
-        accepted += vr.num_accepted
-    drafter.CloseSession(pb.CloseSessionRequest(session_id=d))
-    verifier.CloseSession(pb.CloseSessionRequest(session_id=v))
+    n, workers = 400, 8
+
+    def rounds(seeds: range) -> list[tuple[int, int]]:
+        """(first output token, accepted drafts) per seed, over one session per side."""
+        d = drafter.OpenSession(pb.OpenSessionRequest()).session_id
+        v = verifier.OpenSession(pb.OpenSessionRequest()).session_id
+        out = []
+        for i, seed in enumerate(seeds):
+            sampling = sampling_to_pb(params.replace(seed=seed))
+            keep = 0 if i == 0 else len(ids) - 1  # after the first round, re-send only the last prompt token
+            r = drafter.Draft(pb.DraftRequest(session_id=d, truncate_to=keep, append_token_ids=ids[keep:],
+                                              num_draft_tokens=2, sampling=sampling, proposal_format=fmt,
+                                              prompt_length=len(ids)))
+            assert r.proposal.kind == pb.SPARSE_TOP_N and list(r.proposal.shape) == [2, 16]
+            vr = verifier.Verify(pb.VerifyRequest(session_id=v, truncate_to=keep, append_token_ids=ids[keep:],
+                                                  draft_token_ids=list(r.draft_token_ids), proposal=r.proposal,
+                                                  sampling=sampling, prompt_length=len(ids)))
+            out.append((vr.output_token_ids[0], vr.num_accepted))
+        drafter.CloseSession(pb.CloseSessionRequest(session_id=d))
+        verifier.CloseSession(pb.CloseSessionRequest(session_id=v))
+        return out
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        samples = [s for part in pool.map(rounds, (range(w, n, workers) for w in range(workers))) for s in part]
+    assert len(samples) == n
+    counts = collections.Counter(t for t, _ in samples)
+    accepted = sum(a for _, a in samples)
     with torch.inference_mode():
         p = logits_to_probs(target_lm.model(torch.tensor([ids])).logits[:, -1], params)[0]
         q = logits_to_probs(int8_lm.model(torch.tensor([ids])).logits[:, -1], params)[0]

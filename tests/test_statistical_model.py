@@ -19,53 +19,93 @@ PARAMS = SamplingParams(temperature=1.0)
 
 
 class _Dists:
-    """Processed next-token distributions of target (p) and drafter (q) after prompt + prefix,
-    computed in batches and cached."""
+    """Processed next-token distributions of target (p) and drafter (q) after prompt + prefix
+    (a prefix holds at most one token), computed in batches over the prompt's KV cache and
+    cached; `rows` turns prefixes into row indices of the stacked `P`, `Q` [K, V]."""
 
     def __init__(self, target, drafter, prompt_ids):
         self.target, self.drafter, self.prompt = target, drafter, prompt_ids
         self.p, self.q = {}, {}
+        self._index: dict = {}
+        self.P = self.Q = torch.empty(0)
 
     def fill(self, prefixes):
         todo = sorted({tuple(x) for x in prefixes} - self.p.keys())
-        for i in range(0, len(todo), 64):
-            chunk = todo[i : i + 64]
-            ids = torch.tensor([self.prompt + list(pre) for pre in chunk])
-            with torch.inference_mode():
-                lp = self.target.model(ids, logits_to_keep=1).logits[:, -1].float()
-                lq = self.drafter.model(ids, logits_to_keep=1).logits[:, -1].float()
+        assert all(len(pre) <= 1 for pre in todo)
+        for i in range(0, len(todo), 256):
+            chunk = todo[i : i + 256]
+            lp, lq = self._next_logits(self.target, chunk), self._next_logits(self.drafter, chunk)
             for pre, a, b in zip(chunk, logits_to_probs(lp, PARAMS), logits_to_probs(lq, PARAMS)):
                 self.p[pre], self.q[pre] = a, b
+
+    def _next_logits(self, lm, chunk) -> torch.Tensor:
+        """[len(chunk), V] logits after prompt + each prefix: the prompt runs once, then each
+        one-token prefix is one query over a copy of the prompt's cache."""
+        with torch.inference_mode():
+            prompt = lm.model(torch.tensor([self.prompt]), use_cache=True)
+            out = prompt.logits[:, -1].float().repeat(len(chunk), 1)  # the empty prefix's rows
+            ones = [i for i, pre in enumerate(chunk) if pre]
+            if ones:
+                cache = prompt.past_key_values
+                cache.batch_repeat_interleave(len(ones))
+                tokens = torch.tensor([[chunk[i][0]] for i in ones])
+                out[ones] = lm.model(tokens, past_key_values=cache).logits[:, -1].float()
+            return out
+
+    def rows(self, prefixes) -> torch.Tensor:
+        """Row indices of `prefixes` in P and Q, stacking the rows filled since the last call
+        (dicts keep insertion order)."""
+        new = list(self.p)[len(self._index) :]
+        if new:
+            self._index.update({k: len(self._index) + i for i, k in enumerate(new)})
+            self.P = torch.cat([self.P, torch.stack([self.p[k] for k in new])])
+            self.Q = torch.cat([self.Q, torch.stack([self.q[k] for k in new])])
+        return torch.tensor([self._index[pre] for pre in prefixes])
+
+
+def _draw(dists: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One token from each row of `dists` [n, V] by inverse CDF, 500 rows at a time
+    (torch.multinomial costs ~1 ms a row over V = 49,152; it took most of the test's time)."""
+    out = []
+    for s in range(0, len(dists), 500):
+        cdf = dists[s : s + 500].double().cumsum(-1)  # [b, V]
+        u = torch.rand(len(cdf), 1, generator=gen, dtype=torch.float64)
+        out.append(torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0])  # the first i with cdf[i] > u
+    return torch.cat(out)
 
 
 def _two_tokens(d: _Dists, gen: torch.Generator, sampler, n: int = N) -> collections.Counter:
     """Simulate speculative decoding of two tokens, gamma = 2, n times."""
     d.fill([()])
     x1 = torch.multinomial(d.q[()], n, replacement=True, generator=gen)
-    d.fill([(int(a),) for a in x1])
-    x2 = torch.stack([torch.multinomial(d.q[(int(a),)], 1, generator=gen)[0] for a in x1])
+    d.fill([(a,) for a in x1.tolist()])
+    empty, after_x1 = d.rows([()])[0], d.rows([(a,) for a in x1.tolist()])
+    x2 = _draw(d.Q[after_x1], gen)
     pairs = collections.Counter()
     pending = []  # rows that emitted one token: a second round decides token 2
     for s in range(0, n, 500):
-        rows = range(s, min(s + 500, n))
-        p = torch.stack([torch.stack([d.p[()], d.p[(int(x1[i]),)], d.p[()]]) for i in rows])  # [b, 3, V]
-        q = torch.stack([torch.stack([d.q[()], d.q[(int(x1[i]),)]]) for i in rows])  # [b, 2, V]
-        drafts = torch.stack([x1[s : s + len(rows)], x2[s : s + len(rows)]], 1)
-        draws = torch.rand(len(rows), 3, 2, generator=gen, dtype=torch.float64)
-        out = sampler(p, drafts, q, torch.full((len(rows),), 2), draws)
-        for r in range(len(rows)):
-            toks = out.output_token_ids[r].tolist()
-            if out.num_emitted[r] >= 2:
+        b = min(500, n - s)
+        first = after_x1[s : s + b]
+        p = d.P[torch.stack([empty.expand(b), first, empty.expand(b)], 1)]  # [b, 3, V]
+        q = d.Q[torch.stack([empty.expand(b), first], 1)]  # [b, 2, V]
+        drafts = torch.stack([x1[s : s + b], x2[s : s + b]], 1)
+        draws = torch.rand(b, 3, 2, generator=gen, dtype=torch.float64)
+        out = sampler(p, drafts, q, torch.full((b,), 2), draws)
+        for toks, emitted in zip(out.output_token_ids.tolist(), out.num_emitted.tolist()):
+            if emitted >= 2:
                 pairs[(toks[0], toks[1])] += 1
             else:
                 pending.append(toks[0])
     d.fill([(a,) for a in pending])
-    for a in pending:  # round 2: gamma = 1 from prompt + [a]
-        qa, pa = d.q[(a,)], d.p[(a,)]
-        x = torch.multinomial(qa, 1, generator=gen)
-        draws = torch.rand(1, 2, 2, generator=gen, dtype=torch.float64)
-        out = sampler(torch.stack([pa, pa])[None], x[None], qa[None, None], torch.tensor([1]), draws)
-        pairs[(a, int(out.output_token_ids[0, 0]))] += 1
+    after_a = d.rows([(a,) for a in pending])
+    x = _draw(d.Q[after_a], gen)
+    for s in range(0, len(pending), 500):  # round 2: gamma = 1 from prompt + [a]
+        idx = after_a[s : s + 500]
+        p, q = d.P[torch.stack([idx, idx], 1)], d.Q[idx][:, None]  # [b, 2, V], [b, 1, V]
+        draws = torch.rand(len(idx), 2, 2, generator=gen, dtype=torch.float64)
+        out = sampler(p, x[s : s + len(idx), None], q, torch.ones(len(idx), dtype=torch.long), draws)
+        for a, t in zip(pending[s : s + 500], out.output_token_ids[:, 0].tolist()):
+            pairs[(a, t)] += 1
     return pairs
 
 
@@ -111,14 +151,11 @@ def test_the_pair_disagrees_enough_to_exercise_rejections(dists):
     assert 0.5 * float((p - q).abs().sum()) > 0.05  # total variation: rejections happen
 
 
-class _SyntheticDists:
+class _SyntheticDists(_Dists):
     """Small-vocabulary stand-in with the same interface, for an exact joint check."""
 
     def __init__(self, v: int, gen: torch.Generator):
-        class _M:
-            vocab_size = v
-
-        self.target = _M()
+        super().__init__(None, None, [])
         self.p = {(): torch.softmax(torch.randn(v, generator=gen) * 2, -1)}
         self.q = {(): torch.softmax(torch.randn(v, generator=gen) * 2, -1)}
         for a in range(v):
