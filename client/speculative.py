@@ -152,6 +152,7 @@ class SpeculativeClient:
         self._channels: list[grpc.Channel] = []  # blocking, for callers' own calls (health probes, GetStats)
         self._aio_channels: list[grpc.aio.Channel] = []
         self._tasks: set[asyncio.Task] = set()  # background calls: drafter CloseSession, a late drafter's probe
+        self._closing = asyncio.Event()  # set on the loop by close(): retried CloseSessions make their last try
         self._pumps: set[asyncio.Task] = set()  # running generations: close() cancels them
         # astream's readers, per event loop: chunks reach each loop in one wake-up per batch
         self._mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -329,7 +330,8 @@ class SpeculativeClient:
         await asyncio.gather(*pumps, return_exceptions=True)
         for batcher in (self._batchers or {}).values():
             batcher.close()
-        if self._tasks:  # drafter sessions closing in the background: let them finish
+        self._closing.set()
+        if self._tasks:  # sessions closing in the background: let them finish
             await asyncio.wait(list(self._tasks), timeout=5.0)
         for ch in self._aio_channels:
             await ch.close()
@@ -1131,17 +1133,21 @@ class SpeculativeClient:
     async def _close_quietly(self, stub, session_id: str, retry_for_s: float = 0.0) -> None:
         """CloseSession; while the server does not answer (DEADLINE_EXCEEDED, or UNAVAILABLE:
         a keepalive timeout against a frozen server), retried for up to `retry_for_s` (5 s
-        apart, doubling to 60 s) unless the client closes."""
+        apart, doubling to 60 s). When the client closes, a retry that waits tries once more
+        at once (within close()'s wait), so a server that resumed meanwhile drops the session
+        now instead of holding it until its TTL."""
         waited, delay = 0.0, 5.0
         while True:
+            last = self._closing.is_set()
             try:
                 await stub.CloseSession(pb.CloseSessionRequest(session_id=session_id),
-                                        timeout=min(self.timeout_s, 5.0))
+                                        timeout=min(self.timeout_s, 2.0 if last else 5.0))
                 return
             except grpc.RpcError as exc:  # the session expires on the server anyway
                 unanswered = exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
-                if unanswered and waited + delay <= retry_for_s and not self._closed:
-                    await asyncio.sleep(delay)
+                if unanswered and waited + delay <= retry_for_s and not last:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._closing.wait(), delay)
                     waited, delay = waited + delay, min(2 * delay, 60.0)
                     continue
                 # After a restart or an eviction the session is simply gone: nothing to report.
