@@ -40,7 +40,7 @@ from specdec.adaptive import AdaptiveGamma, ServingCosts
 from specdec.errors import invalid_text
 from specdec.models import ModelSpec, load_tokenizer, tokenizer_fingerprint
 from specdec.proposals import DENSE, IDS_ONLY, ProposalFormat
-from specdec.sampling import REJECTION, SamplingParams
+from specdec.sampling import REJECTION, SamplingParams, check_min_tokens
 from specdec.serving import ModelInfo
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
@@ -581,6 +581,9 @@ class SpeculativeClient:
         if not prompt_ids:
             raise ValueError("the prompt is empty after tokenization")
         self.check_vocab(params.stop_token_ids, "stop_token_ids: token id")
+        self.check_vocab([t for t, _ in params.logit_bias], "logit_bias: token id")
+        self.check_vocab(params.allowed_token_ids or (), "allowed_token_ids: token id")
+        check_min_tokens(params, self.verifier_info.vocab_size, self.verifier_info.eos_token_ids)
         max_context = self.verifier_info.max_context
         # The last token is never cached: a generation needs room for all but it (the gateway keeps
         # vLLM's rule, prompt + max_tokens <= the context, except for an echoed prompt's one token).

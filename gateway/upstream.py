@@ -37,6 +37,7 @@ import grpc
 from client.pool import parse_addresses
 from client.speculative import ClientClosed, IncompatibleModels, SpeculativeClient, StreamChunk
 from gateway.protocol import APIError
+from specdec.errors import InvalidArgument
 from specdec.sampling import SamplingParams
 from specdec_rpc import specdec_pb2 as pb
 
@@ -127,6 +128,8 @@ def upstream_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc), type="service_unavailable", code="upstream_full")
     if isinstance(exc, ConnectionError):  # NoServerAvailable: every verifier down, none due for a retry
         return APIError(503, str(exc), type="service_unavailable", code="upstream_unavailable")
+    if isinstance(exc, InvalidArgument):  # a sampling field the client refused before any call
+        return APIError(400, str(exc), param=exc.field)
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))
     return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error")

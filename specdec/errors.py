@@ -7,8 +7,9 @@ class SpecDecError(Exception):
     """Base class; the message is shown to the caller as-is."""
 
 
-class InvalidArgument(SpecDecError):
-    """A request field is malformed (INVALID_ARGUMENT). The message names the field."""
+class InvalidArgument(SpecDecError, ValueError):
+    """A request field is malformed (INVALID_ARGUMENT). The message names the field. A
+    ValueError too, as vLLM's SamplingParams raises, so `except ValueError` catches it."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")

@@ -94,8 +94,15 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        # vLLM's defaults for these are None: code that forwards its keyword arguments sends them.
+        for name in ("stop", "stop_token_ids", "logit_bias"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, ())
         # Accept lists from callers but keep the dataclass hashable and immutable.
-        object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
+        try:
+            object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
+        except TypeError:
+            raise InvalidArgument("stop", f"must be a string or a sequence of strings, got {self.stop!r}") from None
         try:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         except TypeError:
@@ -111,6 +118,8 @@ class SamplingParams:
         for name in ("top_k", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs"):  # numpy's ints -> int
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
+        for name in _FLOAT_FIELDS:  # numpy's floats -> float
+            object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "stop_token_ids", tuple(map(int, self.stop_token_ids)))
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
         if self.allowed_token_ids is not None:
@@ -140,7 +149,8 @@ class SamplingParams:
     def validate(self) -> None:
         def finite(name: str) -> float:
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or abs(value) > _FLOAT32_MAX:
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+                    or abs(value) > _FLOAT32_MAX:
                 # the wire carries 32-bit floats: 1e308 would arrive as inf
                 raise InvalidArgument(name, f"must be a finite number, got {value!r}")
             return value
@@ -151,6 +161,9 @@ class SamplingParams:
 
         for name in ("top_k", "max_tokens", "min_tokens"):
             integer(name, getattr(self, name))
+        for name in ("include_stop_str_in_output", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):  # "no" would read as true
+                raise InvalidArgument(name, f"must be true or false, got {getattr(self, name)!r}")
         for name in ("seed", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 integer(name, getattr(self, name))
@@ -183,7 +196,7 @@ class SamplingParams:
             integer("logit_bias", t)
             if not 0 <= t <= INT32_MAX:
                 raise InvalidArgument("logit_bias", f"token ids must be in [0, {INT32_MAX}], got {t}")
-            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
+            if isinstance(bias, bool) or not isinstance(bias, numbers.Real) or not math.isfinite(bias) \
                     or abs(bias) > _FLOAT32_MAX:
                 raise InvalidArgument("logit_bias", f"the bias of token {t} must be a finite number, got {bias!r}")
         if self.allowed_token_ids is not None:
@@ -233,6 +246,27 @@ class TokenContext:
     prefix: Sequence[int]
     prompt_length: int
     eos_token_ids: tuple[int, ...] = ()
+
+
+def check_min_tokens(params: SamplingParams, vocab_size: int, eos_token_ids: Sequence[int],
+                     field_prefix: str = "") -> None:
+    """min_tokens masks EOS and the stop ids before its count: some token must be left, or
+    every row before it is -inf everywhere (a NaN distribution, which sampled id V). The
+    verifier checks it, and the client before its first call."""
+    if not params.min_tokens:
+        return
+    banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    allowed = {t for t in params.allowed_token_ids or () if t < vocab_size}
+    if allowed and allowed <= banned:
+        raise InvalidArgument(f"{field_prefix}allowed_token_ids", "min_tokens masks every allowed token (each is EOS "
+                                                                  "or a stop token id)")
+    if len({t for t in banned if 0 <= t < vocab_size}) >= vocab_size:
+        raise InvalidArgument(f"{field_prefix}stop_token_ids", "min_tokens would mask every token of the vocabulary "
+                                                               "(EOS and the stop token ids cover it)")
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                 "posterior_threshold", "posterior_alpha")
 
 
 def _bias_pairs(value) -> tuple:

@@ -20,7 +20,7 @@ import torch
 from specdec.batching import BatchPolicy, BatchScheduler, WorkItem
 from specdec.errors import InvalidArgument, OutOfRange, ResourceExhausted, SessionClosed
 from specdec.models import CausalLM, ModelSpec, device_uuid, tokenizer_source
-from specdec.sampling import SamplingParams, TokenContext
+from specdec.sampling import SamplingParams, TokenContext, check_min_tokens
 from specdec.sessions import SessionStore
 
 log = logging.getLogger(__name__)
@@ -331,8 +331,7 @@ class ServingModel:
         self.check_token_ids(list(params.stop_token_ids), "sampling.stop_token_ids")
         if params.has_token_filters:
             self._check_token_filters(params)
-        if params.min_tokens:
-            self._check_min_tokens(params)
+        check_min_tokens(params, self.lm.vocab_size, self.info.eos_token_ids, field_prefix="sampling.")
         if not 0 <= prompt_length <= truncate_to + len(append_token_ids):
             raise InvalidArgument(
                 "prompt_length",
@@ -357,19 +356,6 @@ class ServingModel:
         if self.strict_token_filters:
             self.check_token_ids([t for t, _ in params.logit_bias], "sampling.logit_bias")
             self.check_token_ids(list(params.allowed_token_ids or ()), "sampling.allowed_token_ids")
-
-    def _check_min_tokens(self, params: SamplingParams) -> None:
-        """min_tokens masks EOS and the stop ids before its count: some token must be left, or
-        every row before it is -inf everywhere (a NaN distribution, which sampled id V)."""
-        vocab = self.lm.vocab_size
-        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.info.eos_token_ids))
-        allowed = {t for t in params.allowed_token_ids or () if t < vocab}
-        if allowed and allowed <= banned:
-            raise InvalidArgument("sampling.allowed_token_ids", "min_tokens masks every allowed token (each is EOS "
-                                                                "or a stop token id)")
-        if len({t for t in banned if 0 <= t < vocab}) >= vocab:
-            raise InvalidArgument("sampling.stop_token_ids", "min_tokens would mask every token of the vocabulary "
-                                                             "(EOS and the stop token ids cover it)")
 
     def token_context(self, tokens: list[int], prompt_length: int) -> TokenContext:
         return TokenContext(prefix=tokens, prompt_length=prompt_length, eos_token_ids=self.info.eos_token_ids)

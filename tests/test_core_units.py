@@ -31,6 +31,27 @@ def test_invalid_sampling_params_name_the_field(field, value):
     assert err.value.field == field
 
 
+@pytest.mark.parametrize("field,value", [
+    ("temperature", True), ("temperature", "0.5"), ("ignore_eos", "no"), ("include_stop_str_in_output", None),
+    ("stop", 5), ("top_p", float("nan"))])
+def test_wrong_types_are_refused_as_value_errors_naming_the_field(field, value):
+    """vLLM's SamplingParams raises ValueError: `except ValueError` catches ours too."""
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**{field: value})
+    assert isinstance(err.value, InvalidArgument) and err.value.field == field
+
+
+def test_vllms_none_defaults_and_numpy_scalars_are_taken():
+    """Code that forwards vLLM's keyword arguments sends stop, stop_token_ids and logit_bias as
+    None; numpy's float32 is a number (its value as float32 is what the wire carries anyway)."""
+    import numpy as np
+
+    assert SamplingParams(stop=None, stop_token_ids=None, logit_bias=None) == SamplingParams()
+    params = SamplingParams(temperature=np.float32(0.5), top_p=np.float32(0.9), max_tokens=np.int64(4))
+    assert type(params.temperature) is float and params.temperature == 0.5 and params.max_tokens == 4
+    assert sampling_from_pb(sampling_to_pb(params)).top_p == params.top_p
+
+
 def test_top_k_minus_one_is_off_as_in_vllm():
     assert SamplingParams(top_k=-1) == SamplingParams(top_k=0) and SamplingParams(top_k=-1).top_k == 0
 

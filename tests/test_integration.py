@@ -203,6 +203,12 @@ def test_the_python_client_takes_text_token_ids_or_chat_messages_and_names_what_
     vocab = client.verifier_info.vocab_size
     with pytest.raises(ValueError, match=f"stop_token_ids: token id {vocab} is outside"):
         client.generate("hello", greedy.replace(stop_token_ids=(vocab,)))  # not the services' raw RpcError
+    for bad, expected in (({"logit_bias": {vocab: 5.0}}, f"logit_bias: token id {vocab} is outside"),
+                          ({"allowed_token_ids": [5, vocab]}, f"allowed_token_ids: token id {vocab} is outside"),
+                          ({"allowed_token_ids": list(client.verifier_info.eos_token_ids), "min_tokens": 2},
+                           "min_tokens masks every allowed token")):
+        with pytest.raises(ValueError, match=expected):  # also before any session opens
+            client.generate("hello", greedy.replace(**bad))
     for bad_chat, expected in (([{"role": "user"}], r"messages\[0\] \(user\) needs a 'content' string"),
                                ([{"role": "user", "content": 5}], "needs a 'content' string"),
                                ([{"content": "hi"}], r"messages\[0\] must be a dict with a string 'role'")):
