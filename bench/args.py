@@ -28,10 +28,19 @@ def _output_file(text: str) -> str:
 
 
 def _dataset(text: str) -> str:
-    """An argparse type: the shipped set's name or a file (its content is checked on loading)."""
-    if text not in ("specbench", "random") and not os.path.isfile(text):
+    """An argparse type: the shipped set's name or a file whose prompts load (checked before any
+    connection, not after a server was reached)."""
+    if text in ("specbench", "random"):
+        return text
+    if not os.path.isfile(text):
         raise argparse.ArgumentTypeError(f"{text!r} is {'a directory' if os.path.isdir(text) else 'no file'}; give "
                                          "'specbench', 'random', a .jsonl file or a ShareGPT JSON file")
+    from bench.datasets import load_dataset
+
+    try:
+        load_dataset(text)
+    except (ValueError, OSError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 
@@ -311,6 +320,9 @@ def _serve_openai(args: argparse.Namespace) -> int:
     if args.verifier or args.drafter or args.target_only or args.baseline_json:
         raise ValueError("--backend openai measures the server at --base-url: drop --verifier, --drafter, "
                          "--target-only and --baseline-json")
+    if args.num_speculative_tokens != "auto" or args.fanout:  # nothing sends them: the server speculates as set up
+        raise ValueError("--backend openai: the server at --base-url decides its speculation; drop "
+                         "--num-speculative-tokens and --fanout (set them on the gateway or server)")
     target = OpenAITarget(base_url=args.base_url, endpoint=args.endpoint, model=args.model, api_key=args.api_key,
                           tls_ca=args.tls_ca)
     result = run_serve_openai(_workload(args, False), target)

@@ -95,7 +95,8 @@ def load_sharegpt(path: str | Path) -> list[BenchPrompt]:
         raise ValueError(f"{path}: a ShareGPT file is a JSON list of {{'conversations': [...]}} entries")
     prompts = []
     for i, entry in enumerate(data):
-        turns = (entry.get("conversations") or []) if isinstance(entry, dict) else []
+        turns = entry.get("conversations") if isinstance(entry, dict) else None
+        turns = turns if isinstance(turns, list) else []  # a malformed entry has no human turn: skipped
         first = next((t.get("value", "") for t in turns if isinstance(t, dict) and t.get("from") in _USER_ROLES), "")
         if isinstance(first, str) and first.strip():
             prompts.append(BenchPrompt(id=str(entry.get("id", i)), category=SHAREGPT, messages=(first,)))
@@ -171,9 +172,10 @@ def load_dataset(dataset: str) -> list[BenchPrompt]:
         why = "a directory" if Path(dataset).is_dir() else "no such file"
         raise ValueError(f"--dataset must be '{SHIPPED}', a .jsonl file or a ShareGPT JSON file, got {dataset!r} "
                          f"({why})")
-    if dataset.endswith(".jsonl"):
-        return load_jsonl(dataset)
-    return load_sharegpt(dataset)
+    try:
+        return load_jsonl(dataset) if dataset.endswith(".jsonl") else load_sharegpt(dataset)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{dataset}: not UTF-8 text ({exc})") from None
 
 
 def interleave(prompts: Sequence[BenchPrompt], seed: int) -> list[BenchPrompt]:

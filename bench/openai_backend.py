@@ -147,6 +147,8 @@ class OpenAIServer:
                             last = now
                             chunks += 1
                         finish = choice.get("finish_reason") or finish
+                        if finish and rec.ttft is None:  # the first token was EOS (no text): it came now
+                            rec.ttft, last = now - sent, now
                     usage = event.get("usage") or usage
                     spec = event.get("speculative") or spec
                     if deadline is not None and now >= deadline and finish is None:

@@ -425,6 +425,7 @@ def result_percentiles(extra: Sequence[float] = ()) -> list[float]:
 def _summary(name: str, values_s: Sequence[float], percentiles: Sequence[float] = ()) -> dict[str, float | None]:
     """mean / median / std and each percentile in ms (None without data)."""
     stats = ["mean", "median", "std", *map(percentile_key, result_percentiles(percentiles))]
+    values_s = [v for v in values_s if v is not None]  # a request that could not time it: no NaN in the JSON
     if not values_s:
         return {f"{stat}_{name}_ms": None for stat in stats}
     ms = np.asarray(values_s, dtype=float) * 1000.0
@@ -440,7 +441,7 @@ def _ratio(num: float, den: float, scale: float = 1.0) -> float | None:
 
 def meets_slos(rec: RequestRecord, slos_ms: dict[str, float]) -> bool:
     measured = {"ttft": rec.ttft, "tpot": rec.tpot or 0.0, "e2el": rec.e2el}  # vLLM: one-token TPOT is 0
-    return rec.ok and all(measured[k] * 1000.0 <= v for k, v in slos_ms.items())
+    return rec.ok and all(measured[k] is not None and measured[k] * 1000.0 <= v for k, v in slos_ms.items())
 
 
 def compute_metrics(records: Sequence[RequestRecord], duration: float,

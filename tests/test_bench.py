@@ -321,3 +321,34 @@ def test_the_accepted_histogram_counts_full_rounds_of_a_fixed_gamma_and_every_dr
     ]}
     assert accepted_per_round([result], 4) == [3, 4]
     assert accepted_per_round([result], "auto") == [3, 4, 1]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_an_openai_reply_whose_first_token_is_eos_is_timed_not_nan(chat):
+    """A server whose model emits EOS first streams one chunk with no text and a finish_reason
+    (vLLM and llama-server do): its TTFT and E2EL are that chunk's arrival, as vLLM's bench
+    times them, not NaN and 0 (which broke --goodput and the JSON). The SSE replies come from
+    httpx's MockTransport: this checks the backend's parsing, not a server."""
+    import httpx
+
+    from bench.datasets import BenchPrompt
+    from bench.openai_backend import OpenAIServer, OpenAITarget
+    from bench.serve import BenchRequest, WorkloadConfig, compute_metrics
+
+    def reply(request: httpx.Request) -> httpx.Response:
+        time.sleep(0.02)  # the model's time to its first (and only) token
+        choice = {"index": 0, "finish_reason": "stop", **({"delta": {"content": ""}} if chat else {"text": ""})}
+        events = [{"choices": [choice]}, {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 1}}]
+        body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+    config = WorkloadConfig(verifier="", chat=chat, num_prompts=1)
+    server = OpenAIServer(OpenAITarget("http://test", model="m"), config)
+    server.http = httpx.Client(base_url="http://test", transport=httpx.MockTransport(reply))
+    rec = server.send(BenchRequest(0, BenchPrompt(id="p", category="c", messages=("hi",)), ()), config, None,
+                      time.perf_counter(), None)
+    assert rec.ok and rec.finish_reason == "stop" and rec.output_tokens == 1
+    assert 0.02 <= rec.ttft == rec.e2el < 5 and rec.itl == []
+    metrics = compute_metrics([rec], 1.0, goodput_slos_ms={"ttft": 10_000.0})
+    assert metrics["request_goodput"] == 1.0
+    json.dumps(metrics, allow_nan=False)  # strict JSON: no NaN anywhere

@@ -250,7 +250,8 @@ def test_a_folder_of_tokenizer_files_alone_is_a_tokenizer(tmp_path):
                                   "random lengths without the random dataset", "an infinite batch wait",
                                   "threads far past the cores", "a session ttl of nan",
                                   "n-gram lengths without the n-gram backend", "drafting flags with --target-only",
-                                  "typical's thresholds without typical", "a gateway's fanout without a drafter"])
+                                  "typical's thresholds without typical", "a gateway's fanout without a drafter",
+                                  "gamma for an openai server", "malformed sharegpt entries", "a dataset not utf-8"])
 def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path):
     """Flags that cannot serve, files that are not what their flag needs, a device torch cannot
     use, a service that is not there: each is refused by name, before any model loads."""
@@ -262,6 +263,10 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path):
     bad.write_text("not a certificate\n")
     listed = tmp_path / "list.json"
     listed.write_text("[1, 2]\n")
+    sharegpt = tmp_path / "sharegpt.json"
+    sharegpt.write_text('[{"conversations": 5}, {"conversations": [3]}, 7]\n')
+    latin1 = tmp_path / "prompts.jsonl"
+    latin1.write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
     argv, code, says = {
         "max-sessions 0": (["verifier", "--max-sessions", "0"], 2, "--max-sessions must be > 0"),
         "kv-budget 0": (["drafter", "--kv-budget-mb", "0"], 2, "--kv-budget-mb must be > 0"),
@@ -304,6 +309,14 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path):
                                                        "--random-input-len go with --dataset random"),
         # gRPC dialled 443 for it
         "health of a host without a port": (["health", "--address", "127.0.0.1"], 2, "needs a port"),
+        # sent nowhere, yet printed and saved as the run's settings
+        "gamma for an openai server": (["bench", "serve", "--backend", "openai", "--base-url", "http://127.0.0.1:1",
+                                        "--num-speculative-tokens", "7"], 2, "drop --num-speculative-tokens"),
+        # a TypeError traceback and a bare codec error
+        "malformed sharegpt entries": (["bench", "serve", "--verifier", "127.0.0.1:1", "--target-only", "--dataset",
+                                        str(sharegpt)], 2, "no conversation with a non-empty human turn"),
+        "a dataset not utf-8": (["bench", "serve", "--verifier", "127.0.0.1:1", "--target-only", "--dataset",
+                                 str(latin1)], 2, f"{latin1}: not UTF-8 text"),
         "openai bench against no server": (["bench", "serve", "--backend", "openai", "--base-url", "http://127.0.0.1:1",
                                             "--num-prompts", "1", "--max-tokens", "2"], 1,
                                            "GET http://127.0.0.1:1/v1/models: ConnectError"),
