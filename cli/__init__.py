@@ -7,9 +7,12 @@ core package itself never imports grpc.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 
 from specdec.argtypes import (  # noqa: F401
     MAX_TIMEOUT_S, MAX_WAIT_MS, AddressList, add_client_security_args, gamma_arg, port, positive,
@@ -495,6 +498,29 @@ def _random_pair(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """A client command (generate, bench, demo) ends on SIGTERM (`timeout`, `docker stop`, a
+    compose run's teardown) as on Ctrl-C: its generations stop and close their sessions, which
+    the services otherwise held until their TTL. The services drain on SIGTERM themselves."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     # `specdec health` is a container's healthcheck, run every few seconds beside a busy service:
     # it imports no torch (7-13 s on a loaded 2-core host, past compose's 5 s healthcheck timeout).
@@ -511,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("--verifier (or $SPECDEC_GATEWAY_VERIFIER) is required")
             return gateway_command(args)
         if args.command == "generate":
-            return _generate(args, parser)
+            with _sigterm_as_interrupt():
+                return _generate(args, parser)
         if args.command == "health":
             from cli.commands import health_command
 
@@ -519,7 +546,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from cli.demo import run_demo
 
-            return run_demo(args)
+            with _sigterm_as_interrupt():
+                return run_demo(args)
         if args.command == "random-model":
             import torch
 
@@ -538,7 +566,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from bench.args import run_bench
 
-            return run_bench(args)
+            with _sigterm_as_interrupt():
+                return run_bench(args)
+    except _Terminated:
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         return 130
     except (SpecDecError, ValueError) as exc:

@@ -410,3 +410,33 @@ def test_closing_a_session_drops_the_rest_of_its_calls_prefill(verifier_stub, dr
     assert service.GetStats(pb.StatsRequest()).forwards == after.forwards  # nothing more ran for it
     # A client giving up is no engine failure (alerts watch failed_requests).
     assert (after.cancelled_requests, after.failed_requests) == (stats.cancelled_requests + 1, stats.failed_requests)
+
+
+@pytest.mark.slow
+def test_sigterm_ends_cli_generate_as_ctrl_c_does_closing_its_sessions(drafter_proc, verifier_proc, verifier_stub,
+                                                                       drafter_stub):
+    """`timeout`, `docker stop` and a compose run's teardown send SIGTERM: generate stops as on
+    Ctrl-C, its sessions closed on both services (they were held until their 10-minute TTL), and
+    exits 143."""
+    import signal
+
+    def live() -> tuple[int, int]:
+        return (verifier_stub.GetStats(pb.StatsRequest(), timeout=10).live_sessions,
+                drafter_stub.GetStats(pb.StatsRequest(), timeout=10).live_sessions)
+
+    before = live()
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", "--verifier", verifier_proc.address,
+                             "--drafter", drafter_proc.address, "--prompt", "Tell me a long story.", "--chat",
+                             "--max-tokens", "2000", "--ignore-eos", "--num-speculative-tokens", "4"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while live() == before:  # its sessions are open: it is generating
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else ""
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM, proc.stderr.read()
+        assert "Traceback" not in proc.stderr.read()
+        assert live() == before  # closed by the client before it exited, not left to the TTL
+    finally:
+        proc.kill()
