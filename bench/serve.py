@@ -568,6 +568,11 @@ def run_serve(config: WorkloadConfig, client: SpeculativeClient | None = None,
                                    batch_verify=True,  # one VerifyBatch per step, as the gateway sends them
                                    **config.client_security())
     try:
+        if not config.target_only and client.drafter_info is None:
+            # The client would run every round target-only (until a drafter answers): numbers
+            # labelled speculative that are not.
+            raise ValueError(f"no drafter of --drafter {config.drafter} answered: a speculative run would measure "
+                             "target-only rounds; start the drafter, or pass --target-only for the baseline")
         gamma = _gamma(client, config)
         requests = build_requests(client, config)
         for req in requests[: config.warmup_requests]:

@@ -251,8 +251,9 @@ def test_a_folder_of_tokenizer_files_alone_is_a_tokenizer(tmp_path):
                                   "threads far past the cores", "a session ttl of nan",
                                   "n-gram lengths without the n-gram backend", "drafting flags with --target-only",
                                   "typical's thresholds without typical", "a gateway's fanout without a drafter",
-                                  "gamma for an openai server", "malformed sharegpt entries", "a dataset not utf-8"])
-def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path):
+                                  "gamma for an openai server", "malformed sharegpt entries", "a dataset not utf-8",
+                                  "a speculative bench with no drafter up"])
+def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path, request):
     """Flags that cannot serve, files that are not what their flag needs, a device torch cannot
     use, a service that is not there: each is refused by name, before any model loads."""
     import torch
@@ -317,10 +318,16 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path):
                                         str(sharegpt)], 2, "no conversation with a non-empty human turn"),
         "a dataset not utf-8": (["bench", "serve", "--verifier", "127.0.0.1:1", "--target-only", "--dataset",
                                  str(latin1)], 2, f"{latin1}: not UTF-8 text"),
+        # its numbers were target-only rounds labelled speculative
+        "a speculative bench with no drafter up": (["bench", "serve", "--verifier", "VERIFIER", "--drafter",
+                                                    "127.0.0.1:1", "--num-prompts", "1", "--max-tokens", "2"], 2,
+                                                   "no drafter of --drafter 127.0.0.1:1 answered"),
         "openai bench against no server": (["bench", "serve", "--backend", "openai", "--base-url", "http://127.0.0.1:1",
                                             "--num-prompts", "1", "--max-tokens", "2"], 1,
                                            "GET http://127.0.0.1:1/v1/models: ConnectError"),
     }[case]
+    if "VERIFIER" in argv:  # a case that needs a verifier up
+        argv[argv.index("VERIFIER")] = request.getfixturevalue("verifier_proc").address
     run = subprocess.run([sys.executable, "-m", "cli", *argv], capture_output=True, text=True, timeout=120)
     assert run.returncode == code and says in run.stderr, run.stderr[-2000:]
     assert "Traceback" not in run.stderr
