@@ -10,21 +10,7 @@ import math
 import os
 import sys
 
-from specdec.argtypes import MAX_TIMEOUT_S, add_client_security_args, positive as _positive
-
-
-def _output_file(text: str) -> str:
-    """An argparse type: a file path whose directory exists (checked before a run of minutes,
-    not when its result is written)."""
-    path = os.path.abspath(text)
-    if os.path.isdir(path):
-        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
-    if not os.path.isdir(os.path.dirname(path)):
-        raise argparse.ArgumentTypeError(f"no directory {os.path.dirname(text) or '.'!r} to write "
-                                         f"{os.path.basename(text)!r} in")
-    if not os.access(os.path.dirname(path), os.W_OK):  # e.g. a bind mount the container's user cannot write
-        raise argparse.ArgumentTypeError(f"directory {os.path.dirname(text) or '.'!r} is not writable")
-    return text
+from specdec.argtypes import MAX_TIMEOUT_S, add_client_security_args, output_file, positive as _positive
 
 
 def _dataset(text: str) -> str:
@@ -150,8 +136,8 @@ def _add_workload_args(p: argparse.ArgumentParser, verifier_required: bool = Tru
                    help="latencies whose percentiles are printed: ttft,tpot,itl,e2el (default all; the JSON has all)")
     p.add_argument("--warmup-requests", type=_positive("--warmup-requests", zero=True), default=1,
                    help="unmeasured requests before the run")
-    p.add_argument("--result-json", type=_output_file, default=None, help="write the result here")
-    p.add_argument("--plot", type=_output_file, default=None, help="write a PNG here")
+    p.add_argument("--result-json", type=output_file, default=None, help="write the result here")
+    p.add_argument("--plot", type=output_file, default=None, help="write a PNG here")
     p.add_argument("--disable-tqdm", action="store_true")
 
 
@@ -205,7 +191,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=_positive("--threads"), default=2, help="torch threads of the HF runs")
     p.add_argument("--service-threads", type=_positive("--service-threads"), default=2,
                    help="torch threads of the services this command starts")
-    p.add_argument("--result-json", type=_output_file, default=None)
+    p.add_argument("--result-json", type=output_file, default=None)
 
     v = sub.add_parser("verifier", help="verifier throughput vs concurrency (continuous batching)")
     v.add_argument("--verifier", default=None, help="HOST:PORT (default: start one here)")
@@ -223,7 +209,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     v.add_argument("--batched", dest="front", action="store_const", const="batched", help="= --front batched")
     v.add_argument("--empty-calls", type=int, default=500,
                    help="unary health checks timed first: what a gRPC call alone costs on this host (0 = skip)")
-    v.add_argument("--json", default=None)
+    v.add_argument("--json", type=output_file, default=None)
     add_client_security_args(v)
 
     from bench import engine as bench_engine, sampler as bench_sampler  # torch is imported by now anyway

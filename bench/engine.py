@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from specdec.argtypes import positive as _positive
+from specdec.argtypes import device as device_arg, output_file, positive as _positive
 from specdec.slot_forward import Row, SlotForward
 from specdec.static_forward import WIDTH_BUCKETS, StaticForward
 
@@ -267,7 +267,8 @@ def run(args: argparse.Namespace) -> int:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", action="append", required=True,
                    help="random-weight Llama shape: target-1.5b, drafter-270m, smollm2-135m, tiny; repeat for several")
-    p.add_argument("--device", default="auto", help="cpu, cuda[:N], or auto (cuda when available)")
+    p.add_argument("--device", type=device_arg(auto=True), default="auto",
+                   help="cpu, cuda[:N], or auto (cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="default bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--batch-sizes", default="1,16,64", help="comma-separated")
@@ -279,7 +280,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=_positive("--warmup", zero=True), default=3)
     p.add_argument("--peak-gbps", type=_positive("--peak-gbps", float), default=None,
                    help="memory bandwidth for the limit (default: by GPU name)")
-    p.add_argument("--json", default=None, help="also write the rows to this path")
+    p.add_argument("--json", type=output_file, default=None, help="also write the rows to this path")
 
 
 def main(argv: list[str] | None = None) -> int:

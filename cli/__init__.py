@@ -15,6 +15,7 @@ import sys
 import threading
 
 from specdec.argtypes import (  # noqa: F401
+    device as device_arg,
     MAX_TIMEOUT_S, MAX_WAIT_MS, AddressList, add_client_security_args, gamma_arg, port, positive,
 )
 from specdec.errors import SpecDecError
@@ -455,7 +456,7 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     r.add_argument("--tokenizer", default="embedded", help="model whose tokenizer (and vocabulary size) to use")
     r.add_argument("--seed", type=int, default=0, help="same preset and seed: same weights (a copy drafter)")
     r.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
-    r.add_argument("--device", default="cpu", help="where to initialize, and to run --pair's calibration "
+    r.add_argument("--device", type=device_arg(), default="cpu", help="where to initialize, and to run --pair's calibration "
                                                    "(cuda: seconds for 1.5B)")
     r.add_argument("--pair", action="store_true",
                    help="write a target and a cheap drafter with tunable greedy agreement: OUT/target, OUT/drafter "

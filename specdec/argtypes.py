@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 MAX_WAIT_MS = 60_000.0  # --max-wait-ms above this is a typo (inf overflowed queue.get and stopped the engine)
 MAX_TIMEOUT_S = 86_400.0  # a day: gRPC deadlines past this (inf) failed every call DEADLINE_EXCEEDED
@@ -24,6 +25,43 @@ def positive(name: str, kind=int, zero: bool = False, maximum: float | None = No
             raise argparse.ArgumentTypeError(f"{name} must be <= {maximum:g}, got {text!r}")
         return value
 
+    return parse
+
+
+def output_file(text: str) -> str:
+    """An argparse type: a file path whose directory exists (checked before a run of minutes,
+    not when its result is written)."""
+    path = os.path.abspath(text)
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    if not os.path.isdir(os.path.dirname(path)):
+        raise argparse.ArgumentTypeError(f"no directory {os.path.dirname(text) or '.'!r} to write "
+                                         f"{os.path.basename(text)!r} in")
+    if not os.access(os.path.dirname(path), os.W_OK):  # e.g. a bind mount the container's user cannot write
+        raise argparse.ArgumentTypeError(f"directory {os.path.dirname(text) or '.'!r} is not writable")
+    return text
+
+
+def device(auto: bool = False):
+    """An argparse type: cpu or cuda[:N] (or "auto" where `auto`), refused at once when this
+    torch cannot use it (a traceback from deep inside the run, before)."""
+    def parse(text: str) -> str:
+        if auto and text == "auto":
+            return text
+        import torch  # here, not at import: `specdec health` parses without torch
+
+        try:
+            dev = torch.device(text)
+        except RuntimeError:
+            dev = None
+        if dev is None or dev.type not in ("cpu", "cuda"):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a device: cpu or cuda[:N]{' or auto' if auto else ''}")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text}: no CUDA device is usable here (torch {torch.__version__}"
+                                             f"{', built without CUDA' if torch.version.cuda is None else ''})")
+        return text
+
+    parse.__name__ = "device"
     return parse
 
 

@@ -252,13 +252,14 @@ def test_a_folder_of_tokenizer_files_alone_is_a_tokenizer(tmp_path):
                                   "n-gram lengths without the n-gram backend", "drafting flags with --target-only",
                                   "typical's thresholds without typical", "a gateway's fanout without a drafter",
                                   "gamma for an openai server", "malformed sharegpt entries", "a dataset not utf-8",
-                                  "a speculative bench with no drafter up"])
+                                  "a speculative bench with no drafter up", "random-model cuda without CUDA",
+                                  "a bench sampler device that is none", "a bench verifier json in no directory"])
 def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path, request):
     """Flags that cannot serve, files that are not what their flag needs, a device torch cannot
     use, a service that is not there: each is refused by name, before any model loads."""
     import torch
 
-    if case == "cuda without CUDA" and torch.cuda.is_available():
+    if case.endswith("cuda without CUDA") and torch.cuda.is_available():
         pytest.skip("this torch has CUDA: --device cuda is valid here")
     bad = tmp_path / "bad.pem"
     bad.write_text("not a certificate\n")
@@ -322,6 +323,14 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path, request):
         "a speculative bench with no drafter up": (["bench", "serve", "--verifier", "VERIFIER", "--drafter",
                                                     "127.0.0.1:1", "--num-prompts", "1", "--max-tokens", "2"], 2,
                                                    "no drafter of --drafter 127.0.0.1:1 answered"),
+        # tracebacks from inside torch
+        "random-model cuda without CUDA": (["random-model", "--preset", "tiny", "--out", str(tmp_path / "m"),
+                                            "--device", "cuda"], 2, "no CUDA device is usable"),
+        "a bench sampler device that is none": (["bench", "sampler", "--device", "foo"], 2,
+                                                "'foo' is not a device"),
+        # refused after the whole run, when the result was written
+        "a bench verifier json in no directory": (["bench", "verifier", "--json", str(tmp_path / "no" / "x.json")], 2,
+                                                  "no directory"),
         "openai bench against no server": (["bench", "serve", "--backend", "openai", "--base-url", "http://127.0.0.1:1",
                                             "--num-prompts", "1", "--max-tokens", "2"], 1,
                                            "GET http://127.0.0.1:1/v1/models: ConnectError"),
