@@ -413,6 +413,7 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     _add_gateway_parser(sub)
 
     g = sub.add_parser("generate", help="generate text through a drafter and a verifier")
+    g.set_defaults(_parser=g)  # its own errors read "specdec generate: error: ...", as argparse's do
     g.add_argument("--drafter", action=AddressList,
                    help="HOST:PORT; repeat it or separate by commas for a pool (optional with --target-only)")
     g.add_argument("--verifier", action=AddressList, required=True,
@@ -423,6 +424,8 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--timeout-s", type=positive("--timeout-s", float, maximum=MAX_TIMEOUT_S), default=60.0,
                    help="deadline of every call")
+    g.add_argument("--recovery-timeout-s", type=positive("--recovery-timeout-s", float, maximum=MAX_TIMEOUT_S),
+                   default=60.0, help="how long to wait for a lost verifier (or another of its pool) before failing")
     add_client_security_args(g)
     _sampling_args(g)
 
@@ -539,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
             return gateway_command(args)
         if args.command == "generate":
             with _sigterm_as_interrupt():
-                return _generate(args, parser)
+                return _generate(args, args._parser)
         if args.command == "health":
             from cli.commands import health_command
 

@@ -26,7 +26,8 @@ def _run_generate(args: argparse.Namespace, params) -> int:
     from specdec_rpc.ops import read_token
 
     with SpeculativeClient(args.verifier, drafter=None if args.target_only else args.drafter,
-                           timeout_s=args.timeout_s, proposal_format=proposal_format(args),
+                           timeout_s=args.timeout_s, recovery_timeout_s=args.recovery_timeout_s,
+                           proposal_format=proposal_format(args),
                            tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
                            auth_token=read_token(args.auth_token_file) if args.auth_token_file else None) as client:
         if args.json:

@@ -339,6 +339,7 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path, request):
         argv[argv.index("VERIFIER")] = request.getfixturevalue("verifier_proc").address
     run = subprocess.run([sys.executable, "-m", "cli", *argv], capture_output=True, text=True, timeout=120)
     assert run.returncode == code and says in run.stderr, run.stderr[-2000:]
+    assert f"specdec {argv[0]}" in run.stderr  # the command's own usage and prefix, not the top level's
     assert "Traceback" not in run.stderr
 
 
