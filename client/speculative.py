@@ -897,8 +897,9 @@ class SpeculativeClient:
     async def _open_verifier_session(self, link: "_Link", result: GenerationResult,
                                      error: grpc.RpcError | None = None) -> None:
         """Open `link`'s verifier session on the least-loaded verifier that answers, waiting
-        out the pool's backoff for up to recovery_timeout_s, then raising `error` (the call
-        that lost the previous session) or the first connection error. The caller re-prefills."""
+        out the pool's backoff for up to recovery_timeout_s, then raising NoServerAvailable from
+        `error` (the call that lost the previous session) or the first connection error. The
+        caller re-prefills."""
         deadline = time.monotonic() + self.recovery_timeout_s
         queue_deadline = time.monotonic() + self.timeout_s  # one bound on queueing, however many turns it takes
         lost_from = link.lost_from
@@ -974,7 +975,12 @@ class SpeculativeClient:
                     if error is None:
                         raise NoServerAvailable(f"no verifier could be tried within {self.recovery_timeout_s:g} s "
                                                 "(each was down at its last try and is not due for another yet)")
-                    raise error
+                    # One exception for "every verifier is gone", whatever the last call's status
+                    # (UNAVAILABLE, DEADLINE_EXCEEDED from a frozen one), naming the pool.
+                    raise NoServerAvailable(
+                        f"no verifier of {', '.join(s.address for s in self.verifiers.servers)} answered within "
+                        f"{self.recovery_timeout_s:g} s; the last error: {error.code().name}: {error.details()}"
+                    ) from error
                 # In slices: a session another generation re-opens meanwhile clears the backoff.
                 await asyncio.sleep(min(max(wait, 0.01), _POLL_S))
         finally:

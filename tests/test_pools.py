@@ -18,7 +18,8 @@ import pytest
 
 from client.launcher import start_service
 from client.pool import BACKOFF_MAX_S, BACKOFF_MIN_S, Server, ServerPool, parse_addresses
-from client.speculative import GenerationResult, IncompatibleModels, SpeculativeClient, _check_same_target
+from client.speculative import (GenerationResult, IncompatibleModels, NoServerAvailable, SpeculativeClient,
+                                _check_same_target)
 from specdec.sampling import SamplingParams
 from specdec.serving import ModelInfo
 from specdec_rpc import specdec_pb2 as pb
@@ -407,6 +408,29 @@ def test_verifier_pool_moves_a_killed_verifiers_sessions_and_outputs_do_not_chan
         print(f"verifier pool kill: {len(results)} generations ({sum(map(len, expected + seeded_ref))} tokens) "
               f"identical; live sessions at the kill {live_at_kill}; moved {len(moved)} "
               f"(seeded among them: {sum(1 for i in moved if i >= len(prompts))})")
+    finally:
+        doomed.kill()
+
+
+@pytest.mark.slow
+def test_a_pool_whose_every_verifier_is_gone_fails_the_generation_with_no_server_available():
+    """The only verifier is SIGKILLed mid-generation and stays down: after recovery_timeout_s the
+    caller gets NoServerAvailable (a ConnectionError) naming the pool and the last status, the
+    same exception as when none could be tried, not gRPC's raw AioRpcError."""
+    doomed = start_service("verifier", ARGS, threads=1)
+    try:
+        with SpeculativeClient(doomed.address, recovery_timeout_s=1.0) as client:
+            stream = client.stream(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True),
+                                   target_only=True)
+            next(stream)
+            doomed.kill()
+            start = time.monotonic()
+            with pytest.raises(NoServerAvailable, match=f"no verifier of {doomed.address} answered within 1 s; "
+                                                        "the last error: UNAVAILABLE") as caught:
+                for _ in stream:
+                    pass
+            assert isinstance(caught.value, ConnectionError) and isinstance(caught.value.__cause__, grpc.RpcError)
+            assert time.monotonic() - start < 30
     finally:
         doomed.kill()
 
