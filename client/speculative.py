@@ -761,8 +761,10 @@ class SpeculativeClient:
                 break
             except grpc.RpcError as exc:
                 give_up = give_up or time.monotonic() + self.recovery_timeout_s
-                if exc.code() not in _VERIFIER_LOST or time.monotonic() > give_up:
+                if exc.code() not in _VERIFIER_LOST:
                     raise
+                if time.monotonic() > give_up:  # lost again after a late re-open (a flapping verifier)
+                    raise self._no_verifier(exc) from exc
                 log.warning("verifier %s lost session=%s code=%s details=%r; re-opening it on the pool for "
                             "up to %.0f s", verifier.server.address, verifier.session_id, exc.code().name,
                             exc.details(), self.recovery_timeout_s)
@@ -894,6 +896,13 @@ class SpeculativeClient:
             log.info("drafter session=%s on %s; speculation resumes", link.session_id, link.server.address)
         return True
 
+    def _no_verifier(self, error: grpc.RpcError) -> NoServerAvailable:
+        """One exception for "every verifier is gone", whatever the last call's status
+        (UNAVAILABLE, DEADLINE_EXCEEDED from a frozen one), naming the pool."""
+        return NoServerAvailable(
+            f"no verifier of {', '.join(s.address for s in self.verifiers.servers)} answered within "
+            f"{self.recovery_timeout_s:g} s; the last error: {error.code().name}: {error.details()}")
+
     async def _open_verifier_session(self, link: "_Link", result: GenerationResult,
                                      error: grpc.RpcError | None = None) -> None:
         """Open `link`'s verifier session on the least-loaded verifier that answers, waiting
@@ -975,12 +984,7 @@ class SpeculativeClient:
                     if error is None:
                         raise NoServerAvailable(f"no verifier could be tried within {self.recovery_timeout_s:g} s "
                                                 "(each was down at its last try and is not due for another yet)")
-                    # One exception for "every verifier is gone", whatever the last call's status
-                    # (UNAVAILABLE, DEADLINE_EXCEEDED from a frozen one), naming the pool.
-                    raise NoServerAvailable(
-                        f"no verifier of {', '.join(s.address for s in self.verifiers.servers)} answered within "
-                        f"{self.recovery_timeout_s:g} s; the last error: {error.code().name}: {error.details()}"
-                    ) from error
+                    raise self._no_verifier(error) from error
                 # In slices: a session another generation re-opens meanwhile clears the backoff.
                 await asyncio.sleep(min(max(wait, 0.01), _POLL_S))
         finally:
@@ -1147,10 +1151,12 @@ class SpeculativeClient:
         now instead of holding it until its TTL."""
         waited, delay = 0.0, 5.0
         while True:
-            last = self._closing.is_set()
+            last = retry_for_s > 0 and self._closing.is_set()  # a lost session's last try, at close
             try:
+                # The last try waits for the channel to reconnect (its backoff after the keepalive
+                # failure would fail it at once), within close()'s wait.
                 await stub.CloseSession(pb.CloseSessionRequest(session_id=session_id),
-                                        timeout=min(self.timeout_s, 2.0 if last else 5.0))
+                                        timeout=min(self.timeout_s, 2.0 if last else 5.0), wait_for_ready=last)
                 return
             except grpc.RpcError as exc:  # the session expires on the server anyway
                 unanswered = exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
