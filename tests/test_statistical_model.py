@@ -63,12 +63,12 @@ class _Dists:
         return torch.tensor([self._index[pre] for pre in prefixes])
 
 
-def _draw(dists: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """One token from each row of `dists` [n, V] by inverse CDF, 500 rows at a time
+def _draw(dists: torch.Tensor, rows: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One token from each row dists[rows[i]] ([K, V], [n]) by inverse CDF, 500 rows at a time
     (torch.multinomial costs ~1 ms a row over V = 49,152; it took most of the test's time)."""
     out = []
-    for s in range(0, len(dists), 500):
-        cdf = dists[s : s + 500].double().cumsum(-1)  # [b, V]
+    for s in range(0, len(rows), 500):
+        cdf = dists[rows[s : s + 500]].double().cumsum(-1)  # [b, V]
         u = torch.rand(len(cdf), 1, generator=gen, dtype=torch.float64)
         out.append(torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0])  # the first i with cdf[i] > u
     return torch.cat(out)
@@ -80,7 +80,7 @@ def _two_tokens(d: _Dists, gen: torch.Generator, sampler, n: int = N) -> collect
     x1 = torch.multinomial(d.q[()], n, replacement=True, generator=gen)
     d.fill([(a,) for a in x1.tolist()])
     empty, after_x1 = d.rows([()])[0], d.rows([(a,) for a in x1.tolist()])
-    x2 = _draw(d.Q[after_x1], gen)
+    x2 = _draw(d.Q, after_x1, gen)
     pairs = collections.Counter()
     pending = []  # rows that emitted one token: a second round decides token 2
     for s in range(0, n, 500):
@@ -98,7 +98,7 @@ def _two_tokens(d: _Dists, gen: torch.Generator, sampler, n: int = N) -> collect
                 pending.append(toks[0])
     d.fill([(a,) for a in pending])
     after_a = d.rows([(a,) for a in pending])
-    x = _draw(d.Q[after_a], gen)
+    x = _draw(d.Q, after_a, gen)
     for s in range(0, len(pending), 500):  # round 2: gamma = 1 from prompt + [a]
         idx = after_a[s : s + 500]
         p, q = d.P[torch.stack([idx, idx], 1)], d.Q[idx][:, None]  # [b, 2, V], [b, 1, V]
