@@ -59,6 +59,8 @@ def device(auto: bool = False):
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise argparse.ArgumentTypeError(f"{text}: no CUDA device is usable here (torch {torch.__version__}"
                                              f"{', built without CUDA' if torch.version.cuda is None else ''})")
+        if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text}: this host has {torch.cuda.device_count()} CUDA device(s)")
         return text
 
     parse.__name__ = "device"

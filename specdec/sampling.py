@@ -150,7 +150,7 @@ class SamplingParams:
         def finite(name: str) -> float:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
-                    or abs(value) > _FLOAT32_MAX:
+                    or abs(float(value)) > _FLOAT32_MAX:
                 # the wire carries 32-bit floats: 1e308 would arrive as inf
                 raise InvalidArgument(name, f"must be a finite number, got {value!r}")
             return value
@@ -197,7 +197,7 @@ class SamplingParams:
             if not 0 <= t <= INT32_MAX:
                 raise InvalidArgument("logit_bias", f"token ids must be in [0, {INT32_MAX}], got {t}")
             if isinstance(bias, bool) or not isinstance(bias, numbers.Real) or not math.isfinite(bias) \
-                    or abs(bias) > _FLOAT32_MAX:
+                    or abs(float(bias)) > _FLOAT32_MAX:
                 raise InvalidArgument("logit_bias", f"the bias of token {t} must be a finite number, got {bias!r}")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
