@@ -23,7 +23,9 @@ then near its floor.
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -172,10 +174,18 @@ def load_dataset(dataset: str) -> list[BenchPrompt]:
         why = "a directory" if Path(dataset).is_dir() else "no such file"
         raise ValueError(f"--dataset must be '{SHIPPED}', a .jsonl file or a ShareGPT JSON file, got {dataset!r} "
                          f"({why})")
+    stat = os.stat(dataset)
+    return list(_load_file(dataset, stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=2)
+def _load_file(path: str, mtime_ns: int, size: int) -> tuple[BenchPrompt, ...]:
+    """A file's prompts, parsed once per version of it: the flag's check and the run both load
+    it (a ShareGPT dump is hundreds of MB of JSON)."""
     try:
-        return load_jsonl(dataset) if dataset.endswith(".jsonl") else load_sharegpt(dataset)
+        return tuple(load_jsonl(path) if path.endswith(".jsonl") else load_sharegpt(path))
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{dataset}: not UTF-8 text ({exc})") from None
+        raise ValueError(f"{path}: not UTF-8 text ({exc})") from None
 
 
 def interleave(prompts: Sequence[BenchPrompt], seed: int) -> list[BenchPrompt]:
