@@ -205,9 +205,10 @@ def _serve(args: argparse.Namespace, role: str) -> int:
 
     _check_env_values(args)
     _check_serving_files(args)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: no CUDA device is usable here (torch {torch.__version__}"
-                         f"{', built without CUDA' if torch.version.cuda is None else ''})")
+    try:  # the check random-model's and bench's --device flags run when read
+        device_arg()(args.device)
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"--device {exc}") from None
     # key=value, so a log pipeline (or grep) can split fields; call lines add method, code, session.
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"ts=%(asctime)s role={role} level=%(levelname)s logger=%(name)s %(message)s")
