@@ -149,9 +149,7 @@ class SamplingParams:
     def validate(self) -> None:
         def finite(name: str) -> float:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
-                    or abs(float(value)) > _FLOAT32_MAX:
-                # the wire carries 32-bit floats: 1e308 would arrive as inf
+            if not _finite_float32(value):
                 raise InvalidArgument(name, f"must be a finite number, got {value!r}")
             return value
 
@@ -196,8 +194,7 @@ class SamplingParams:
             integer("logit_bias", t)
             if not 0 <= t <= INT32_MAX:
                 raise InvalidArgument("logit_bias", f"token ids must be in [0, {INT32_MAX}], got {t}")
-            if isinstance(bias, bool) or not isinstance(bias, numbers.Real) or not math.isfinite(bias) \
-                    or abs(float(bias)) > _FLOAT32_MAX:
+            if not _finite_float32(bias):
                 raise InvalidArgument("logit_bias", f"the bias of token {t} must be a finite number, got {bias!r}")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
@@ -263,6 +260,13 @@ def check_min_tokens(params: SamplingParams, vocab_size: int, eos_token_ids: Seq
     if len({t for t in banned if 0 <= t < vocab_size}) >= vocab_size:
         raise InvalidArgument(f"{field_prefix}stop_token_ids", "min_tokens would mask every token of the vocabulary "
                                                                "(EOS and the stop token ids cover it)")
+
+
+def _finite_float32(value) -> bool:
+    """A real number (not a bool) that the wire's 32-bit floats carry as itself: 1e308 would
+    arrive as inf."""
+    return (not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+            and abs(float(value)) <= _FLOAT32_MAX)
 
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
