@@ -261,8 +261,8 @@ class SpeculativeClient:
 
     async def _probe(self, pool: ServerPool, lost: frozenset, required: bool = True) -> list[tuple[Server, ModelInfo]]:
         """(server, its ModelInfo) of the servers that answer GetModelInfo, in pool order; the
-        others are marked down (tried again when a session needs one). Raises the first
-        error if none answers (unless not `required`), or any error that is not a lost server's."""
+        others are marked down (tried again when a session needs one). Raises NoServerAvailable
+        if none answers (unless not `required`), or any error that is not a lost server's."""
         calls = [(s, asyncio.ensure_future(s.astub.GetModelInfo(pb.ModelInfoRequest(), timeout=self.timeout_s)))
                  for s in pool.servers]
         await asyncio.wait([call for _, call in calls])
@@ -283,7 +283,10 @@ class SpeculativeClient:
                 pool.failed(server)
                 errors.append(exc)
         if not answered and required:
-            raise errors[0]
+            first = errors[0]
+            raise NoServerAvailable(
+                f"no {pool.role} of {', '.join(s.address for s in pool.servers)} answered at start; "
+                f"the first error: {first.code().name}: {first.details()}") from first
         return answered
 
     @property

@@ -435,6 +435,17 @@ def test_a_pool_whose_every_verifier_is_gone_fails_the_generation_with_no_server
         doomed.kill()
 
 
+def test_a_client_whose_every_verifier_is_down_at_start_raises_no_server_available():
+    """Construction against a pool of which no verifier answers raises the same NoServerAvailable
+    (a ConnectionError) as a generation whose verifiers are gone, naming every address and the
+    first status; it was the first probe's raw AioRpcError."""
+    down = [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]
+    with pytest.raises(NoServerAvailable, match=f"no verifier of {down[0]}, {down[1]} answered at start; "
+                                                "the first error: UNAVAILABLE") as caught:
+        SpeculativeClient(down, timeout_s=5.0)
+    assert isinstance(caught.value, ConnectionError) and isinstance(caught.value.__cause__, grpc.RpcError)
+
+
 @pytest.mark.slow
 def test_a_hung_verifier_is_failed_over_within_the_keepalive_not_the_calls_deadline(verifier_proc,
                                                                                     int8_drafter_proc):
