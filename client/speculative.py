@@ -37,7 +37,7 @@ from client.batching import VerifyBatcher
 from client.output import GenerationResult, OutputProcessor, StreamChunk
 from client.pool import Server, ServerPool, parse_addresses
 from specdec.adaptive import AdaptiveGamma, ServingCosts
-from specdec.errors import invalid_text
+from specdec.errors import InvalidArgument, invalid_text
 from specdec.models import ModelSpec, load_tokenizer, tokenizer_fingerprint
 from specdec.proposals import DENSE, IDS_ONLY, ProposalFormat
 from specdec.sampling import REJECTION, SamplingParams, check_min_tokens
@@ -378,7 +378,7 @@ class SpeculativeClient:
         if chat:  # a template applies to text: ids would go out unchanged, which chat=True does not ask for
             raise ValueError("chat=True applies the chat template to a string or to messages; token ids are sent "
                              "as they are (apply the template when encoding them, or pass the text)")
-        self.check_vocab(ids, "prompt token id")
+        self.check_vocab(ids, "prompt")
         return ids
 
     def _past_drafter_vocab(self, ids: Sequence[int]) -> bool:
@@ -388,12 +388,13 @@ class SpeculativeClient:
             return False
         return max(ids, default=-1) >= info.vocab_size
 
-    def check_vocab(self, ids: Sequence[int], what: str) -> None:
-        """ValueError naming the first id outside the verifier's vocabulary, as `what`."""
+    def check_vocab(self, ids: Sequence[int], field: str) -> None:
+        """InvalidArgument (a ValueError) naming `field` and its first id outside the verifier's
+        vocabulary."""
         vocab = self.verifier_info.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"{what} {bad} is outside the verifier's vocabulary [0, {vocab})")
+            raise InvalidArgument(field, f"token id {bad} is outside the verifier's vocabulary [0, {vocab})")
 
     def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, tokenizer=None, add_special_tokens: bool = False,
@@ -583,11 +584,16 @@ class SpeculativeClient:
         prompt_ids = self.encode_prompt(prompt, chat)
         if not prompt_ids:
             raise ValueError("the prompt is empty after tokenization")
-        self.check_vocab(params.stop_token_ids, "stop_token_ids: token id")
-        self.check_vocab([t for t, _ in params.logit_bias], "logit_bias: token id")
-        self.check_vocab(params.allowed_token_ids or (), "allowed_token_ids: token id")
+        self.check_vocab(params.stop_token_ids, "stop_token_ids")
+        self.check_vocab([t for t, _ in params.logit_bias], "logit_bias")
+        self.check_vocab(params.allowed_token_ids or (), "allowed_token_ids")
         check_min_tokens(params, self.verifier_info.vocab_size, self.verifier_info.eos_token_ids)
         max_context = self.verifier_info.max_context
+        if params.max_tokens is None:  # vLLM's rule: up to the context, prompt + max_tokens <= max_context
+            if len(prompt_ids) >= max_context:
+                raise InvalidArgument("max_tokens", f"the prompt's {len(prompt_ids)} tokens fill the verifier's "
+                                                    f"maximum context {max_context}: no room for max_tokens=None")
+            params = params.replace(max_tokens=max_context - len(prompt_ids))
         # The last token is never cached: a generation needs room for all but it (the gateway keeps
         # vLLM's rule, prompt + max_tokens <= the context, except for an echoed prompt's one token).
         if len(prompt_ids) + params.max_tokens - 1 > max_context:

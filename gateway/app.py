@@ -180,7 +180,7 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
         client = await upstream.wait_ready()
         check_model(body.model)
         try:
-            client.check_vocab(body.tokens, "token id")
+            client.check_vocab(body.tokens, "tokens")
         except ValueError as exc:
             raise bad_request("tokens", str(exc)) from None
         return {"prompt": client.tokenizer.decode(body.tokens)}

@@ -76,7 +76,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the context (the verifier's max_context less the prompt)
     min_tokens: int = 0
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -157,12 +157,12 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # 1.5, "3", True: a caller's slip
                 raise InvalidArgument(name, f"must be an integer, got {value!r}")
 
-        for name in ("top_k", "max_tokens", "min_tokens"):
+        for name in ("top_k", "min_tokens"):
             integer(name, getattr(self, name))
         for name in ("include_stop_str_in_output", "ignore_eos"):
             if not isinstance(getattr(self, name), bool):  # "no" would read as true
                 raise InvalidArgument(name, f"must be true or false, got {getattr(self, name)!r}")
-        for name in ("seed", "logprobs", "prompt_logprobs"):
+        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 integer(name, getattr(self, name))
         for t in self.stop_token_ids:
@@ -182,9 +182,9 @@ class SamplingParams:
             raise InvalidArgument("min_p", f"must be in [0, 1] (0 disables min-p), got {self.min_p}")
         if self.seed is not None and not (-2**63 <= self.seed <= _MASK64):
             raise InvalidArgument("seed", f"must be a 64-bit integer (signed or unsigned), got {self.seed}")
-        if self.max_tokens < 1:
-            raise InvalidArgument("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.min_tokens <= min(self.max_tokens, INT32_MAX):
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise InvalidArgument("max_tokens", f"must be >= 1 (or None: up to the context), got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= min(INT32_MAX if self.max_tokens is None else self.max_tokens, INT32_MAX):
             raise InvalidArgument("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if any(not s for s in self.stop):
             raise InvalidArgument("stop", "stop strings must be non-empty")

@@ -47,6 +47,7 @@ def test_vllms_none_defaults_and_numpy_scalars_are_taken():
     import numpy as np
 
     assert SamplingParams(stop=None, stop_token_ids=None, logit_bias=None) == SamplingParams()
+    assert SamplingParams(max_tokens=None, min_tokens=5).max_tokens is None  # vLLM's "up to the context"
     params = SamplingParams(temperature=np.float32(0.5), top_p=np.float32(0.9), max_tokens=np.int64(4))
     assert type(params.temperature) is float and params.temperature == 0.5 and params.max_tokens == 4
     assert sampling_from_pb(sampling_to_pb(params)).top_p == params.top_p

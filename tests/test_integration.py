@@ -371,6 +371,26 @@ def test_a_caller_that_stops_at_the_last_chunk_leaves_no_session_open(verifier_p
         assert live() == before
 
 
+def test_max_tokens_none_generates_up_to_the_verifiers_context(drafter_proc):
+    """vLLM's SamplingParams(max_tokens=None): up to the context, prompt + max_tokens =
+    max_context; a prompt that fills the context is refused naming max_tokens."""
+    from client.launcher import start_service
+    from specdec.errors import InvalidArgument
+
+    with start_service("verifier", ["--max-model-len", "24", "--log-level", "WARNING"], threads=1) as svc, \
+            SpeculativeClient(svc.address, drafter=drafter_proc.address) as client:
+        assert client.verifier_info.max_context == 24
+        ids = client.encode_prompt(PROMPTS[2])
+        unbounded = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+        spec = client.generate(ids, unbounded, num_speculative_tokens=3)
+        base = client.generate(ids, unbounded.replace(max_tokens=24 - len(ids)), target_only=True)
+        assert len(spec.token_ids) == 24 - len(ids) and spec.finish_reason == "length"
+        assert spec.token_ids == base.token_ids and spec.num_draft_tokens > 0
+        with pytest.raises(InvalidArgument, match="fill the verifier's maximum context 24") as err:
+            client.generate(list(range(100, 124)), unbounded)
+        assert err.value.field == "max_tokens"
+
+
 def test_random_model_refuses_an_out_path_that_is_a_file(tmp_path):
     target = tmp_path / "model.txt"
     target.write_text("keep me")
