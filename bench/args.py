@@ -10,7 +10,7 @@ import math
 import os
 import sys
 
-from specdec.argtypes import MAX_TIMEOUT_S, add_client_security_args, output_file, positive as _positive
+from specdec.argtypes import MAX_TIMEOUT_S, add_client_security_args, output_file, positive as _positive, positive_list
 
 
 def _dataset(text: str) -> str:
@@ -176,8 +176,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
     w = sub.add_parser("sweep", help="serve at several concurrencies or rates, speculative and target-only")
     _add_workload_args(w)
-    w.add_argument("--concurrency", default=None, help="comma-separated max concurrencies, e.g. 1,2,4")
-    w.add_argument("--request-rates", default=None, help="comma-separated request rates, e.g. 1,2,inf")
+    w.add_argument("--concurrency", type=positive_list("--concurrency"), default=None,
+                   help="comma-separated max concurrencies, e.g. 1,2,4")
+    w.add_argument("--request-rates", type=positive_list("--request-rates", float), default=None,
+                   help="comma-separated request rates, e.g. 1,2,inf")
     w.add_argument("--latency", default="tpot", choices=["tpot", "e2el"], help="x axis of the plot")
     w.add_argument("--warmup-wave", action=argparse.BooleanOptionalAction, default=True,
                    help="before each measured run, an unmeasured wave of requests at the point's concurrency and "
@@ -187,7 +189,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--drafter", help="HOST:PORT (with --verifier; default: start both services here)")
     p.add_argument("--verifier", help="HOST:PORT")
     _add_dataset_args(p, num_prompts=3, max_tokens=64)
-    p.add_argument("--num-speculative-tokens", default="4", help="gamma, or a comma-separated list, e.g. 4,8")
+    p.add_argument("--num-speculative-tokens", type=positive_list("--num-speculative-tokens"), default=[4],
+                   help="gamma, or a comma-separated list, e.g. 4,8")
     p.add_argument("--threads", type=_positive("--threads"), default=2, help="torch threads of the HF runs")
     p.add_argument("--service-threads", type=_positive("--service-threads"), default=2,
                    help="torch threads of the services this command starts")
@@ -195,7 +198,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
     v = sub.add_parser("verifier", help="verifier throughput vs concurrency (continuous batching)")
     v.add_argument("--verifier", default=None, help="HOST:PORT (default: start one here)")
-    v.add_argument("--concurrency", default="1,4,16,32", help="comma-separated; the first is the baseline")
+    v.add_argument("--concurrency", type=positive_list("--concurrency"), default=[1, 4, 16, 32],
+                   help="comma-separated; the first is the baseline")
     v.add_argument("--num-speculative-tokens", type=int, default=4, help="random drafts per round (gamma)")
     v.add_argument("--prompt-len", type=_positive("--prompt-len"), default=64)
     v.add_argument("--seconds", type=_positive("--seconds", float), default=10.0, help="measured time per level")
@@ -350,13 +354,15 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _sweep(args: argparse.Namespace) -> int:
     from bench import serve
-    from bench.sweep import format_sweep, parse_points, run_sweep
+    from bench.sweep import format_sweep, run_sweep
 
     if not args.drafter:
         raise ValueError("--drafter is required (a sweep runs speculative and target-only)")
-    concurrency = parse_points(args.concurrency, "--concurrency", integer=True) if args.concurrency else []
-    rates = parse_points(args.request_rates, "--request-rates", integer=False) if args.request_rates else []
-    result = run_sweep(_workload(args, False), concurrency=concurrency, request_rates=rates,
+    if args.concurrency and args.max_concurrency is not None:
+        # each point runs at its own concurrency: a --max-concurrency beside them was dropped unseen
+        raise ValueError("--max-concurrency goes with --request-rates (a bound on every rate's run); "
+                         "--concurrency already sets each point's")
+    result = run_sweep(_workload(args, False), concurrency=args.concurrency or [], request_rates=args.request_rates or [],
                        warmup=args.warmup_wave)
     print(format_sweep(result))
     if args.result_json:
@@ -371,13 +377,10 @@ def _sweep(args: argparse.Namespace) -> int:
 def _peer(args: argparse.Namespace) -> int:
     from bench import serve
     from bench.peer import format_peer, run_peer
-    from bench.sweep import parse_points
-
     if bool(args.drafter) != bool(args.verifier):
         raise ValueError("give both --drafter and --verifier, or neither (then both are started here)")
     _random_dataset(args)  # refuses --random-* flags: peer runs text datasets
-    gammas = [int(g) for g in parse_points(args.num_speculative_tokens, "--num-speculative-tokens", integer=True)]
-    result = run_peer(dataset=args.dataset, num_prompts=args.num_prompts, max_tokens=args.max_tokens, gammas=gammas,
+    result = run_peer(dataset=args.dataset, num_prompts=args.num_prompts, max_tokens=args.max_tokens, gammas=args.num_speculative_tokens,
                       seed=args.seed, chat=args.chat, threads=args.threads, service_threads=args.service_threads,
                       drafter=args.drafter, verifier=args.verifier)
     print(format_peer(result))

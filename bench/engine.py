@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from specdec.argtypes import device as device_arg, output_file, positive as _positive
+from specdec.argtypes import device as device_arg, output_file, positive as _positive, positive_list
 from specdec.slot_forward import Row, SlotForward
 from specdec.static_forward import WIDTH_BUCKETS, StaticForward
 
@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
         args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     peak = peak_bandwidth(device, args.peak_gbps)
-    batches = [int(x) for x in args.batch_sizes.split(",") if x]
+    batches = args.batch_sizes
     rows = []
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device {name}, {dtype}, context {args.context}, peak bandwidth "
@@ -271,7 +271,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="cpu, cuda[:N], or auto (cuda when available)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="default bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--batch-sizes", default="1,16,64", help="comma-separated")
+    p.add_argument("--batch-sizes", type=positive_list("--batch-sizes"), default=[1, 16, 64], help="comma-separated")
     p.add_argument("--context", type=_positive("--context"), default=512,
                    help="positions each session holds before the step")
     p.add_argument("--width", type=_positive("--width"), default=None,

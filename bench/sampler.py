@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from specdec import triton_verification
-from specdec.argtypes import device as device_arg, output_file, positive
+from specdec.argtypes import device as device_arg, output_file, positive, positive_list
 from specdec.proposals import DENSE, IDS_ONLY, SPARSE, ProposalBuilder, ProposalFormat
 from specdec.sampling import STREAM_VERIFY, counter_uniforms
 from specdec.verification import speculative_sample
@@ -140,21 +140,14 @@ def sampler_timings(device: torch.device, batch_sizes: list[int], gamma: int, vo
     return rows
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise ValueError(f"{flag} takes comma-separated integers >= 1, got {text!r}")
-    return values
-
-
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=device_arg(auto=True), default="auto", help="cpu, cuda, or auto (cuda when available)")
-    p.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1,16,64 on CPU, 1,64,256 on CUDA)")
-    p.add_argument("--gammas", default=None, help="comma-separated (default: 4 on CPU, 4,8 on CUDA)")
-    p.add_argument("--vocab-sizes", default=None, help="comma-separated (default: 49152 on CPU, 32000,151936 on CUDA)")
+    p.add_argument("--batch-sizes", type=positive_list("--batch-sizes"), default=None,
+                   help="comma-separated (default: 1,16,64 on CPU, 1,64,256 on CUDA)")
+    p.add_argument("--gammas", type=positive_list("--gammas"), default=None,
+                   help="comma-separated (default: 4 on CPU, 4,8 on CUDA)")
+    p.add_argument("--vocab-sizes", type=positive_list("--vocab-sizes"), default=None,
+                   help="comma-separated (default: 49152 on CPU, 32000,151936 on CUDA)")
     p.add_argument("--repeat", type=positive("--repeat"), default=20)
     p.add_argument("--json", type=output_file, default=None, help="also write the results to this path")
 
@@ -162,9 +155,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     cuda = device.type == "cuda"
-    batch_sizes = _ints(args.batch_sizes or ("1,64,256" if cuda else "1,16,64"), "--batch-sizes")
-    vocabs = _ints(args.vocab_sizes or ("32000,151936" if cuda else "49152"), "--vocab-sizes")
-    gammas = _ints(args.gammas or ("4,8" if cuda else "4"), "--gammas")
+    batch_sizes = args.batch_sizes or ([1, 64, 256] if cuda else [1, 16, 64])
+    vocabs = args.vocab_sizes or ([32000, 151936] if cuda else [49152])
+    gammas = args.gammas or ([4, 8] if cuda else [4])
     sizes = proposal_bytes(vocabs[-1], gammas[0])
     print(f"proposal bytes per round (V={vocabs[-1]}, gamma={gammas[0]}):")
     dense = sizes[0][1]

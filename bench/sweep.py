@@ -19,25 +19,6 @@ from bench.serve import WorkloadConfig, _call_timeout, _fmt, _json_rate, add_eff
 from client.speculative import SpeculativeClient
 
 
-def parse_points(text: str, flag: str, integer: bool) -> list[float]:
-    """'1,2,4' -> [1, 2, 4]: positive integers, or positive numbers including inf."""
-    values: list[float] = []
-    for item in (i.strip() for i in text.split(",")):
-        if not item:
-            continue
-        try:
-            value = int(item) if integer else float(item)
-        except ValueError:
-            raise ValueError(f"{flag} takes comma-separated {'integers' if integer else 'numbers or inf'}, "
-                             f"got {item!r}") from None
-        if not value > 0:
-            raise ValueError(f"{flag} values must be > 0, got {item!r}")
-        values.append(value)
-    if not values:
-        raise ValueError(f"{flag} is empty")
-    return values
-
-
 def point_efficiency(spec: dict, target: dict) -> dict:
     """A point's figures against the engines, from its two runs' results (pure): the measured
     and ideal speedups (ideal = engine-bound tok/s of speculative / of target-only, from the

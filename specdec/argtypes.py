@@ -28,6 +28,31 @@ def positive(name: str, kind=int, zero: bool = False, maximum: float | None = No
     return parse
 
 
+def positive_list(name: str, kind=int):
+    """An argparse type: comma-separated numbers > 0 ("1,4,16"; with kind=float also inf),
+    each once: a repeated point would be measured twice and reported as two."""
+    def parse(text: str) -> list:
+        values = []
+        for item in (i.strip() for i in text.split(",")):
+            if not item:
+                continue
+            try:
+                value = kind(item)
+            except ValueError:
+                what = "integers" if kind is int else "numbers (or inf)"
+                raise argparse.ArgumentTypeError(f"{name} takes comma-separated {what}, got {item!r}") from None
+            if not value > 0:  # NaN too
+                raise argparse.ArgumentTypeError(f"{name} values must be > 0, got {item!r}")
+            if value in values:
+                raise argparse.ArgumentTypeError(f"{name} repeats {item}")
+            values.append(value)
+        if not values:
+            raise argparse.ArgumentTypeError(f"{name} is empty")
+        return values
+
+    return parse
+
+
 def output_file(text: str) -> str:
     """An argparse type: a file path whose directory exists (checked before a run of minutes,
     not when its result is written)."""

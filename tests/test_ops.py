@@ -253,7 +253,9 @@ def test_a_folder_of_tokenizer_files_alone_is_a_tokenizer(tmp_path):
                                   "typical's thresholds without typical", "a gateway's fanout without a drafter",
                                   "gamma for an openai server", "malformed sharegpt entries", "a dataset not utf-8",
                                   "a speculative bench with no drafter up", "random-model cuda without CUDA",
-                                  "a bench sampler device that is none", "a bench verifier json in no directory"])
+                                  "a bench sampler device that is none", "a bench verifier json in no directory",
+                                  "a repeated sweep point", "max-concurrency beside sweep points",
+                                  "an engine batch size of 0", "a sampler gamma that is no number"])
 def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path, request):
     """Flags that cannot serve, files that are not what their flag needs, a device torch cannot
     use, a service that is not there: each is refused by name, before any model loads."""
@@ -331,6 +333,17 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path, request):
         # refused after the whole run, when the result was written
         "a bench verifier json in no directory": (["bench", "verifier", "--json", str(tmp_path / "no" / "x.json")], 2,
                                                   "no directory"),
+        # each ran, the first measuring its point twice, the second dropping --max-concurrency unseen
+        "a repeated sweep point": (["bench", "sweep", "--verifier", "127.0.0.1:1", "--drafter", "127.0.0.1:2",
+                                    "--concurrency", "1,4,1"], 2, "--concurrency repeats 1"),
+        "max-concurrency beside sweep points": (["bench", "sweep", "--verifier", "127.0.0.1:1", "--drafter",
+                                                 "127.0.0.1:2", "--concurrency", "1,4", "--max-concurrency", "2"], 2,
+                                                "--max-concurrency goes with --request-rates"),
+        # a RuntimeError from inside the model after it was built, and a ValueError traceback
+        "an engine batch size of 0": (["bench", "engine", "--preset", "tiny", "--batch-sizes", "1,0"], 2,
+                                      "--batch-sizes values must be > 0"),
+        "a sampler gamma that is no number": (["bench", "sampler", "--gammas", "4,x"], 2,
+                                              "--gammas takes comma-separated integers, got 'x'"),
         "openai bench against no server": (["bench", "serve", "--backend", "openai", "--base-url", "http://127.0.0.1:1",
                                             "--num-prompts", "1", "--max-tokens", "2"], 1,
                                            "GET http://127.0.0.1:1/v1/models: ConnectError"),
