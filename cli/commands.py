@@ -78,7 +78,10 @@ def health_command(args: argparse.Namespace) -> int:
         status = check_health(args.address, args.service, timeout_s=args.timeout_s,
                               tls=client_security(args)[0])
     except grpc.RpcError as exc:
-        print(f"specdec health: {args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        details = exc.details()
+        if exc.code() == grpc.StatusCode.NOT_FOUND and not details:  # the health service's answer to a name it lacks
+            details = f"no service {args.service!r} here ('' is the whole server, or the service's full name)"
+        print(f"specdec health: {args.address}: {exc.code().name}: {details}", file=sys.stderr)
         return 1
     print(status)
     return 0 if status == "SERVING" else 1

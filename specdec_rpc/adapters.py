@@ -289,7 +289,12 @@ def serve(
         raise OSError(f"could not listen on {address}: the port is in use, or the host is not an address of "
                       "this machine")
     server.start()
-    metrics_bound = ops.start(host)
+    try:
+        metrics_bound = ops.start(host)
+    except OSError as exc:  # the metrics port in use: name the flag, and stop the gRPC server already listening
+        server.stop(0)
+        raise OSError(f"--metrics-port {metrics_port}: could not listen on {host}:{metrics_port}: "
+                      f"{exc.strerror or exc}") from exc
     _start_reaper(engine, server)
     wrap_stop(server, ops)
     if announce:

@@ -255,7 +255,8 @@ def test_a_folder_of_tokenizer_files_alone_is_a_tokenizer(tmp_path):
                                   "a speculative bench with no drafter up", "random-model cuda without CUDA",
                                   "a bench sampler device that is none", "a bench verifier json in no directory",
                                   "a repeated sweep point", "max-concurrency beside sweep points",
-                                  "an engine batch size of 0", "a sampler gamma that is no number"])
+                                  "an engine batch size of 0", "a sampler gamma that is no number",
+                                  "a metrics port in use", "health of a service that is not there"])
 def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path, request):
     """Flags that cannot serve, files that are not what their flag needs, a device torch cannot
     use, a service that is not there: each is refused by name, before any model loads."""
@@ -344,13 +345,24 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path, request):
                                       "--batch-sizes values must be > 0"),
         "a sampler gamma that is no number": (["bench", "sampler", "--gammas", "4,x"], 2,
                                               "--gammas takes comma-separated integers, got 'x'"),
+        # "[Errno 98] Address already in use", with the gRPC server already listening
+        "a metrics port in use": (["verifier", "--port", "0", "--metrics-port", "BUSY"], 1,
+                                  "--metrics-port BUSY: could not listen on"),
+        # "NOT_FOUND: " and nothing else
+        "health of a service that is not there": (["health", "--address", "VERIFIER", "--service", "nope"], 1,
+                                                  "NOT_FOUND: no service 'nope' here"),
         "openai bench against no server": (["bench", "serve", "--backend", "openai", "--base-url", "http://127.0.0.1:1",
                                             "--num-prompts", "1", "--max-tokens", "2"], 1,
                                            "GET http://127.0.0.1:1/v1/models: ConnectError"),
     }[case]
     if "VERIFIER" in argv:  # a case that needs a verifier up
         argv[argv.index("VERIFIER")] = request.getfixturevalue("verifier_proc").address
-    run = subprocess.run([sys.executable, "-m", "cli", *argv], capture_output=True, text=True, timeout=120)
+    with socket.socket() as busy:  # held through the run: a port that is in use
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        argv = [a.replace("BUSY", str(busy.getsockname()[1])) for a in argv]
+        says = says.replace("BUSY", str(busy.getsockname()[1]))
+        run = subprocess.run([sys.executable, "-m", "cli", *argv], capture_output=True, text=True, timeout=120)
     assert run.returncode == code and says in run.stderr, run.stderr[-2000:]
     assert f"specdec {argv[0]}" in run.stderr  # the command's own usage and prefix, not the top level's
     assert "Traceback" not in run.stderr
