@@ -26,6 +26,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from specdec.errors import InvalidArgument, invalid_text
@@ -120,6 +121,8 @@ class SamplingParams:
                 object.__setattr__(self, name, int(getattr(self, name)))
         for name in _FLOAT_FIELDS:  # numpy's floats -> float
             object.__setattr__(self, name, float(getattr(self, name)))
+        for name in _BOOL_FIELDS:  # numpy's bools -> bool
+            object.__setattr__(self, name, bool(getattr(self, name)))
         object.__setattr__(self, "stop_token_ids", tuple(map(int, self.stop_token_ids)))
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
         if self.allowed_token_ids is not None:
@@ -159,8 +162,8 @@ class SamplingParams:
 
         for name in ("top_k", "min_tokens"):
             integer(name, getattr(self, name))
-        for name in ("include_stop_str_in_output", "ignore_eos"):
-            if not isinstance(getattr(self, name), bool):  # "no" would read as true
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), (bool, np.bool_)):  # "no" would read as true
                 raise InvalidArgument(name, f"must be true or false, got {getattr(self, name)!r}")
         for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
@@ -269,6 +272,7 @@ def _finite_float32(value) -> bool:
             and abs(float(value)) <= _FLOAT32_MAX)
 
 
+_BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                  "posterior_threshold", "posterior_alpha")
 

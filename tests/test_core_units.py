@@ -43,7 +43,8 @@ def test_wrong_types_are_refused_as_value_errors_naming_the_field(field, value):
 
 def test_vllms_none_defaults_and_numpy_scalars_are_taken():
     """Code that forwards vLLM's keyword arguments sends stop, stop_token_ids and logit_bias as
-    None; numpy's float32 is a number (its value as float32 is what the wire carries anyway)."""
+    None; numpy's float32 is a number (its value as float32 is what the wire carries anyway),
+    and numpy's bool a flag."""
     import numpy as np
 
     assert SamplingParams(stop=None, stop_token_ids=None, logit_bias=None) == SamplingParams()
@@ -51,6 +52,8 @@ def test_vllms_none_defaults_and_numpy_scalars_are_taken():
     params = SamplingParams(temperature=np.float32(0.5), top_p=np.float32(0.9), max_tokens=np.int64(4))
     assert type(params.temperature) is float and params.temperature == 0.5 and params.max_tokens == 4
     assert sampling_from_pb(sampling_to_pb(params)).top_p == params.top_p
+    flags = SamplingParams(ignore_eos=np.bool_(True), include_stop_str_in_output=np.bool_(False))
+    assert flags.ignore_eos is True and flags.include_stop_str_in_output is False  # a mask's element, as bool
 
 
 def test_top_k_minus_one_is_off_as_in_vllm():

@@ -292,7 +292,7 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
      ("logprobs", 21), ("acceptance_method", "nope"), ("posterior_threshold", 1.5), ("posterior_alpha", -0.1),
      ("temperature", float("nan")), ("top_p", float("inf")),
      # A Python caller's type slips: each names its field instead of failing later in a comparison.
-     ("max_tokens", None), ("max_tokens", True), ("seed", 1.5), ("seed", "7"), ("top_k", 2.0), ("logprobs", "1"),
+     ("max_tokens", 1.5), ("max_tokens", True), ("seed", 1.5), ("seed", "7"), ("top_k", 2.0), ("logprobs", "1"),
      ("stop_token_ids", [1.0]), ("stop_token_ids", 5), ("stop", [1])],
 )
 def test_every_invalid_sampling_parameter_names_its_field(field, value):
