@@ -465,16 +465,6 @@ def test_bad_request_gets_its_status_and_openai_error_body_and_the_gateway_keeps
 
 
 @pytest.mark.slow
-def test_a_prompt_that_fits_without_max_tokens_gets_the_room_left_not_an_error(oai, model):
-    """An unset max_tokens is the default (16 for completions) only where it fits: a prompt 4
-    tokens short of the context gets those 4, as vLLM clamps it."""
-    max_context = oai.models.list().data[0].model_extra["max_model_len"]
-    out = oai.completions.create(model=model, prompt=[1] + [28] * (max_context - 5), temperature=0,
-                                 extra_body={"ignore_eos": True})
-    assert out.usage.completion_tokens == 4 and out.choices[0].finish_reason == "length"
-
-
-@pytest.mark.slow
 def test_logit_bias_and_allowed_token_ids_constrain_the_reply(oai, model, tokenizer):
     """OpenAI's logit_bias (clamped to ±100, as vLLM) and vLLM's allowed_token_ids reach both
     services: a banned token never appears, and an allowed set bounds every token."""

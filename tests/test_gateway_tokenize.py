@@ -1,7 +1,7 @@
 """Prompt tokenization through the gateway, as vLLM's server does it: a text prompt gets the
 tokenizer's own special tokens (a BOS for Llama, Mistral or Gemma tokenizers), a chat gets its
 template's alone, `add_special_tokens` overrides either, and /tokenize + /detokenize answer the
-ids a request would send. A tiny random Llama whose tokenizer prepends a BOS (the embedded
+ids a request would send; a prompt near the context without max_tokens gets the room left. A tiny random Llama whose tokenizer prepends a BOS (the embedded
 SmolLM2 tokenizer adds none, so it cannot tell the two apart), a real verifier and gateway
 process with an API key, the official `openai` package."""
 
@@ -19,6 +19,7 @@ from client.launcher import start_service
 from tests.conftest import SERVICE_THREADS
 
 KEY = "tokenize-test-key"
+MAX_MODEL_LEN = 256  # prompts that reach the context cost milliseconds on the tiny model
 BOS = "<|im_start|>"  # id 1 in the embedded vocabulary
 
 
@@ -55,7 +56,8 @@ def bos_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gateway(bos_model):
     model, _ = bos_model
-    with start_service("verifier", ["--model", str(model), "--log-level", "WARNING"], threads=SERVICE_THREADS) as v:
+    with start_service("verifier", ["--model", str(model), "--max-model-len", str(MAX_MODEL_LEN), "--log-level",
+                                    "WARNING"], threads=SERVICE_THREADS) as v:
         with start_service("gateway", ["--verifier", v.address, "--api-key", KEY, "--log-level", "WARNING"]) as gw:
             yield f"http://{gw.address}"
 
@@ -161,3 +163,19 @@ def test_tools_with_tool_choice_none_are_rendered_into_the_prompt_as_vllm_does(g
         with pytest.raises(openai.BadRequestError) as err:
             oai.chat.completions.create(model="", messages=messages, tools=TOOLS, max_tokens=2, **choice)
         assert err.value.body["param"] == "tool_choice"
+
+
+def test_a_prompt_that_fits_without_max_tokens_gets_the_room_left_not_an_error(oai):
+    """An unset max_tokens is the default (16 for completions) only where it fits: a prompt 4
+    tokens short of the context gets those 4, as vLLM clamps it; a chat gets all the room left."""
+    max_context = oai.models.list().data[0].model_extra["max_model_len"]
+    assert max_context == MAX_MODEL_LEN
+    out = oai.completions.create(model="", prompt=[1] + [28] * (max_context - 5), temperature=0,
+                                 extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 4 and out.choices[0].finish_reason == "length"
+    short = oai.completions.create(model="", prompt=[1, 28, 28], temperature=0, extra_body={"ignore_eos": True})
+    assert short.usage.completion_tokens == 16  # the completions default where it fits
+    chat = oai.chat.completions.create(model="", messages=[{"role": "user", "content": "word " * 150}],
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == max_context
+    assert chat.choices[0].finish_reason == "length"
