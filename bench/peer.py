@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 from bench.datasets import interleave, load_dataset
 from bench.serve import WARMUP_MAX_TOKENS, encode
-from client.launcher import start_service
+from client.launcher import start_services
 from client.speculative import SpeculativeClient
 from specdec.sampling import SamplingParams
 
@@ -122,8 +122,8 @@ def run_peer(*, dataset: str, num_prompts: int, max_tokens: int, gammas: Sequenc
     services = []
     try:
         if not (drafter and verifier):
-            services.append(start_service("drafter", ["--log-level", "WARNING"], threads=service_threads))
-            services.append(start_service("verifier", ["--log-level", "WARNING"], threads=service_threads))
+            services.extend(start_services([("drafter", ["--log-level", "WARNING"]),
+                                            ("verifier", ["--log-level", "WARNING"])], threads=service_threads))
             drafter, verifier = services[0].address, services[1].address
         with SpeculativeClient(verifier, drafter=drafter, num_speculative_tokens=max(gammas)) as client:
             if client.drafter_info is None:

@@ -55,6 +55,42 @@ def start_service(role: str, args: list[str] | None = None, *, host: str = "127.
                   env: dict[str, str] | None = None) -> ServiceProcess:
     """Run `specdec <role> ...` and wait until it prints the address it bound. `env` adds
     variables (e.g. SPECDEC_DTYPE, SPECDEC_METRICS_PORT: the container configuration)."""
+    return start_services([(role, args)], host=host, threads=threads, timeout_s=timeout_s, env=env,
+                          ports=[port])[0]
+
+
+class ServiceGroup(list):
+    """start_services' processes, in order; as a context manager, stops them all at exit."""
+
+    def __enter__(self) -> "ServiceGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for service in reversed(self):
+            service.stop()
+
+
+def start_services(specs: list[tuple[str, list[str] | None]], *, host: str = "127.0.0.1",
+                   threads: int | None = None, timeout_s: float = 600.0, env: dict[str, str] | None = None,
+                   ports: list[int] | None = None) -> ServiceGroup:
+    """start_service for several (role, args) at once: every process is spawned before the
+    first is waited for, so their imports and model loads overlap (a drafter and a verifier
+    convert the embedded model once, under a file lock). If one fails, all are stopped."""
+    spawned = [_spawn(role, args, host, port, threads, env)
+               for (role, args), port in zip(specs, ports or [0] * len(specs), strict=True)]
+    try:
+        deadline = time.monotonic() + timeout_s
+        for service, ready in spawned:
+            _wait_ready(service, ready, deadline, timeout_s)
+    except BaseException:
+        for service, _ in spawned:
+            service.kill()
+        raise
+    return ServiceGroup(service for service, _ in spawned)
+
+
+def _spawn(role: str, args: list[str] | None, host: str, port: int, threads: int | None,
+           env: dict[str, str] | None) -> tuple[ServiceProcess, threading.Event]:
     if role not in ("drafter", "verifier", "gateway"):
         raise ValueError(f"role must be drafter, verifier or gateway, got {role!r}")
     cmd = [sys.executable, "-m", "cli", role, "--host", host, "--port", str(port), *(args or [])]
@@ -83,16 +119,20 @@ def start_service(role: str, args: list[str] | None = None, *, host: str = "127.
         ready.set()
 
     threading.Thread(target=pump, name=f"{role}-output", daemon=True).start()
-    deadline = time.monotonic() + timeout_s
+    return service, ready
+
+
+def _wait_ready(service: ServiceProcess, ready: threading.Event, deadline: float, timeout_s: float) -> None:
+    role = service.role
     while not ready.wait(0.2):
         if time.monotonic() > deadline:
             service.kill()
             raise TimeoutError(f"{role} did not start within {timeout_s:g} s: " + "\n".join(service.output[-20:]))
     if not service.address:
         service.kill()
-        raise RuntimeError(f"{role} exited with {proc.poll()} before serving:\n" + "\n".join(service.output[-40:]))
-    log.info("%s pid=%d at %s", role, proc.pid, service.address)
-    return service
+        raise RuntimeError(f"{role} exited with {service.proc.poll()} before serving:\n"
+                           + "\n".join(service.output[-40:]))
+    log.info("%s pid=%d at %s", role, service.proc.pid, service.address)
 
 
 def start_gateway(verifier: str, drafter: str | None = None, args: list[str] | None = None, *,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy import stats
 
-from client.launcher import start_service
+from client.launcher import start_service, start_services
 
 SERVICE_THREADS = 1  # three test services + the test process share 2 cores
 
@@ -22,21 +22,25 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(scope="session")
-def verifier_proc():
-    with start_service("verifier", ["--max-draft-tokens", "8", "--log-level", "WARNING"],
-                       threads=SERVICE_THREADS) as svc:
-        yield svc
+def _default_pair():
+    """The default verifier and drafter, started together (their loads overlap)."""
+    with start_services([("verifier", ["--max-draft-tokens", "8", "--log-level", "WARNING"]),
+                         ("drafter", ["--max-draft-tokens", "8", "--prefill-dtype", "none", "--quantize", "none",
+                                      "--log-level", "WARNING"])], threads=SERVICE_THREADS) as services:
+        yield services
 
 
 @pytest.fixture(scope="session")
-def drafter_proc():
+def verifier_proc(_default_pair):
+    return _default_pair[0]
+
+
+@pytest.fixture(scope="session")
+def drafter_proc(_default_pair):
     """The embedded weights in float16 throughout, prompts included (acceptance ~1: its drafts are
     the target's argmax) on every host; the services' default may pick int4 weights and a
     prefill copy (test_goodput.py, test_quantized.py)."""
-    with start_service("drafter", ["--max-draft-tokens", "8", "--prefill-dtype", "none", "--quantize", "none",
-                                   "--log-level", "WARNING"],
-                       threads=SERVICE_THREADS) as svc:
-        yield svc
+    return _default_pair[1]
 
 
 @pytest.fixture(scope="session")

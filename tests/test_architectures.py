@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, OPTConfig
 
-from client.launcher import start_service
+from client.launcher import start_service, start_services
 from client.speculative import SpeculativeClient
 from specdec.models import CausalLM, ModelSpec, decoder_blocks, load_tokenizer
 from specdec.sampling import SamplingParams
@@ -47,8 +47,8 @@ def test_a_sliding_window_model_past_its_window_verifies_speculatively_like_targ
     args = ["--dtype", "float32", "--max-draft-tokens", "8", "--log-level", "WARNING"]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     ids = list(range(1000, 1030))
-    with start_service("verifier", ["--model", target] + args, threads=1) as verifier, \
-            start_service("drafter", ["--model", draft] + args, threads=1) as drafter, \
+    with start_services([("verifier", ["--model", target] + args), ("drafter", ["--model", draft] + args)],
+                        threads=1) as (verifier, drafter), \
             SpeculativeClient(verifier.address, drafter=drafter.address) as client:
         base = client.generate(ids, params, target_only=True)
         spec = client.generate(ids, params, num_speculative_tokens=4)

@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from client.launcher import ServiceProcess, start_service
+from client.launcher import ServiceProcess, start_service, start_services
 from client.speculative import GenerationResult, SpeculativeClient
 from specdec.sampling import SamplingParams
 from specdec_rpc import specdec_pb2 as pb
@@ -33,8 +33,7 @@ def _port(svc: ServiceProcess) -> int:
 
 
 def test_drafter_killed_during_8_generations_they_finish_target_only_and_speculation_resumes():
-    verifier = start_service("verifier", ARGS, threads=1)
-    drafter = start_service("drafter", ARGS, threads=1)
+    verifier, drafter = start_services([("verifier", ARGS), ("drafter", ARGS)], threads=1)
     restarted = None
     try:
         with SpeculativeClient(verifier.address, drafter=drafter.address) as client:
@@ -76,8 +75,7 @@ def test_drafter_killed_during_8_generations_they_finish_target_only_and_specula
 def test_verifier_restarted_mid_generation_generations_complete_with_the_greedy_output(batch_verify):
     """With batch_verify the decode rounds ride one VerifyStream: the kill breaks it, its rounds
     fail UNAVAILABLE and recover as unary ones do, and the next steps open a new stream."""
-    verifier = start_service("verifier", ARGS, threads=1)
-    drafter = start_service("drafter", ARGS, threads=1)
+    verifier, drafter = start_services([("verifier", ARGS), ("drafter", ARGS)], threads=1)
     restarted = None
     prompts = PROMPTS[:4]
     try:
@@ -215,8 +213,7 @@ def test_fuzzed_malformed_requests_get_expected_codes_and_do_not_disturb_a_gener
     """>= 1,000 malformed requests (fixed seeds) from two threads while a well-formed greedy
     generation runs: every error is one of EXPECTED_ERRORS (never INTERNAL / UNKNOWN), the
     servers stay up, and the generation is token-identical to the same one run alone."""
-    verifier = start_service("verifier", ARGS, threads=1)
-    drafter = start_service("drafter", ARGS, threads=1)
+    verifier, drafter = start_services([("verifier", ARGS), ("drafter", ARGS)], threads=1)
     try:
         channels = {"verifier": grpc.insecure_channel(verifier.address),
                     "drafter": grpc.insecure_channel(drafter.address)}

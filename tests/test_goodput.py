@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 
-from client.launcher import start_service
+from client.launcher import start_service, start_services
 from specdec.adaptive import AdaptiveGamma, ServingCosts, expected_tokens
 from specdec.serving import EngineLoad
 from tests.conftest import SERVICE_THREADS
@@ -183,11 +183,10 @@ PROMPTS = [
 def capped_pair():
     """A verifier that disables speculation at 4 running sessions, and a drafter; both
     with small chunk budgets so that prompts are prefilled in several steps."""
-    with start_service("verifier", ["--max-draft-tokens", "8", "--speculative-disable-by-batch-size", "4",
-                                    "--max-num-batched-tokens", "64", "--log-level", "WARNING"],
-                       threads=SERVICE_THREADS) as verifier, \
-         start_service("drafter", ["--max-draft-tokens", "8", "--max-num-batched-tokens", "64",
-                                   "--log-level", "WARNING"], threads=SERVICE_THREADS) as drafter:
+    with start_services([("verifier", ["--max-draft-tokens", "8", "--speculative-disable-by-batch-size", "4",
+                                       "--max-num-batched-tokens", "64", "--log-level", "WARNING"]),
+                         ("drafter", ["--max-draft-tokens", "8", "--max-num-batched-tokens", "64",
+                                      "--log-level", "WARNING"])], threads=SERVICE_THREADS) as (verifier, drafter):
         yield verifier, drafter
 
 

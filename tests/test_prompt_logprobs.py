@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from client.launcher import start_service
+from client.launcher import start_service, start_services
 from client.speculative import SpeculativeClient
 from specdec.sampling import SamplingParams
 from tests.conftest import SERVICE_THREADS
@@ -34,10 +34,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def services(model_dir):
-    with start_service("verifier", ["--model", str(model_dir), "--max-num-batched-tokens", str(CHUNK),
-                                    "--log-level", "WARNING"], threads=SERVICE_THREADS) as v, \
-            start_service("drafter", ["--model", str(model_dir), "--log-level", "WARNING"],
-                          threads=SERVICE_THREADS) as d:
+    with start_services([("verifier", ["--model", str(model_dir), "--max-num-batched-tokens", str(CHUNK),
+                                       "--log-level", "WARNING"]),
+                         ("drafter", ["--model", str(model_dir), "--log-level", "WARNING"])],
+                        threads=SERVICE_THREADS) as (v, d):
         yield v.address, d.address
 
 
