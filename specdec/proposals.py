@@ -159,6 +159,11 @@ def decode_proposal(proposal: Proposal, num_draft: int, vocab_size: int) -> torc
         raise InvalidArgument("proposal.kind", f"unknown kind {proposal.kind!r}")
     if not bool(torch.isfinite(q).all()) or bool((q < 0).any()):
         raise InvalidArgument("proposal.probs", "probabilities must be finite and >= 0")
-    if bool((q.sum(dim=1) <= 0).any()):
+    sums = q.sum(dim=1)
+    if bool((sums <= 0).any()):
         raise InvalidArgument("proposal.probs", "every row needs positive mass")
+    if not bool(torch.isfinite(sums).all()):
+        # Finite entries whose float32 sum overflows (rows need not be normalized): q / inf would
+        # be 0 at every draft, and u·0 < p accepts them all. The same distribution scaled to a max of 1.
+        q = q / q.amax(dim=1, keepdim=True)
     return q

@@ -187,12 +187,14 @@ class SamplingParams:
             raise InvalidArgument("seed", f"must be a 64-bit integer (signed or unsigned), got {self.seed}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidArgument("max_tokens", f"must be >= 1 (or None: up to the context), got {self.max_tokens}")
-        if not 0 <= self.min_tokens <= min(INT32_MAX if self.max_tokens is None else self.max_tokens, INT32_MAX):
+        if self.max_tokens is None and not 0 <= self.min_tokens <= INT32_MAX:
+            raise InvalidArgument("min_tokens", f"must be in [0, {INT32_MAX}], got {self.min_tokens}")
+        if self.max_tokens is not None and not 0 <= self.min_tokens <= min(self.max_tokens, INT32_MAX):
             raise InvalidArgument("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if any(not s for s in self.stop):
             raise InvalidArgument("stop", "stop strings must be non-empty")
-        if any(not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
-            raise InvalidArgument("stop_token_ids", f"token ids must be in [0, {INT32_MAX}]")
+        if (bad := next((t for t in self.stop_token_ids if not 0 <= t <= INT32_MAX), None)) is not None:
+            raise InvalidArgument("stop_token_ids", f"token ids must be in [0, {INT32_MAX}], got {bad}")
         for t, bias in self.logit_bias:
             integer("logit_bias", t)
             if not 0 <= t <= INT32_MAX:

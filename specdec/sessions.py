@@ -127,7 +127,7 @@ class SessionStore:
                 raise ResourceExhausted(
                     f"no room for another session ({len(self._sessions)} live, max {self.max_sessions}; KV "
                     f"{self._used_bytes() / 2**20:.0f} MiB of {self._budget_mib()}) and every session has a "
-                    f"call in flight or had one within {self.evict_after_idle_s:g} s; retry later"
+                    f"call in flight, or was opened or had a call within {self.evict_after_idle_s:g} s; retry later"
                 )
             del self._sessions[victim.session_id]
             self._forget(victim.session_id, "evicted (least recently used, to admit a new session)")

@@ -124,10 +124,13 @@ def _sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         if method is None:
             raise InvalidArgument("sampling.acceptance_method", f"unknown value {msg.acceptance_method}")
         kwargs["acceptance_method"] = method
-    # max_tokens is the client's business; never let its default reject a valid min_tokens.
-    kwargs["max_tokens"] = max(1, kwargs.get("min_tokens", 1))
-    return SamplingParams(stop_token_ids=tuple(msg.stop_token_ids), logit_bias=dict(msg.logit_bias),
-                          allowed_token_ids=tuple(msg.allowed_token_ids) or None, **kwargs)
+    # max_tokens is the client's business (not on the wire): unbounded, so only min_tokens' own range applies.
+    kwargs["max_tokens"] = None
+    try:
+        return SamplingParams(stop_token_ids=tuple(msg.stop_token_ids), logit_bias=dict(msg.logit_bias),
+                              allowed_token_ids=tuple(msg.allowed_token_ids) or None, **kwargs)
+    except InvalidArgument as exc:  # the message's field, as the services' other sampling checks name it
+        raise InvalidArgument(f"sampling.{exc.field}", str(exc).split(": ", 1)[1]) from None
 
 
 # ---- proposals ----------------------------------------------------------------------------

@@ -419,6 +419,43 @@ def test_a_draft_its_proposal_gives_zero_probability_is_refused(verifier_proc):
         stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
 
 
+def test_a_proposal_whose_row_sum_overflows_float32_verifies_as_its_normalized_self(verifier_proc):
+    """Dense rows need not be normalized: q scaled by 3e38 has finite entries but an infinite
+    float32 sum, which made q / sum 0 at every draft and accepted them all. Same seeds, same
+    drafts: the scaled and the normalized proposal give the same response, dense and sparse."""
+    import numpy as np
+
+    from specdec_rpc import specdec_pb2 as pb
+    from specdec_rpc import specdec_pb2_grpc as pb_grpc
+    from specdec_rpc.adapters import CHANNEL_OPTIONS
+
+    with grpc.insecure_channel(verifier_proc.address, options=CHANNEL_OPTIONS) as channel:
+        stub = pb_grpc.VerifierStub(channel)
+        vocab = stub.GetModelInfo(pb.ModelInfoRequest()).vocab_size
+        q = np.full((2, vocab), 1e-4, dtype=np.float64)
+        q[:, 8] = 1.0  # the draft's share: ~0.17 of each row, mostly rejected by the target
+        ids = np.argsort(-q[0], kind="stable")[:64].astype(np.int32)
+        forms = {"dense": lambda scale: pb.Proposal(kind=pb.DENSE, dtype=pb.FLOAT32, shape=[2, vocab],
+                                                    probs=(q * scale).astype(np.float32).tobytes()),
+                 "sparse": lambda scale: pb.Proposal(kind=pb.SPARSE_TOP_N, dtype=pb.FLOAT32, shape=[2, 64],
+                                                     probs=(q[:, ids] * scale).astype(np.float32).tobytes(),
+                                                     token_ids=np.stack([ids, ids]).tobytes())}
+        rejected = 0
+        for form, proposal in forms.items():
+            for seed in range(6):
+                outs = []
+                for scale in (1.0, 3e38):
+                    sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
+                    outs.append(stub.Verify(pb.VerifyRequest(
+                        session_id=sid, append_token_ids=[1, 504, 3458, 314, 260], draft_token_ids=[8, 8],
+                        proposal=proposal(scale), sampling=pb.SamplingParams(temperature=1.0, seed=seed))))
+                    stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+                assert list(outs[1].output_token_ids) == list(outs[0].output_token_ids), (form, seed)
+                assert outs[1].num_accepted == outs[0].num_accepted
+                rejected += outs[0].num_accepted < 2
+        assert rejected >= 6  # the drafts are not all accepted anyway: equality is not trivially "accept all"
+
+
 def test_prefill_chunks_go_shortest_first_without_starving_a_long_prompt():
     """The verifier's step plan: decode rounds first, then prompts shortest first (a short
     prompt behind a long one completes in this step), and a prompt left with no tokens for
