@@ -281,18 +281,23 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
                    help="typical acceptance is not lossless")
     p.add_argument("--posterior-threshold", type=float, default=None, help="--acceptance-method typical (default 0.09)")
     p.add_argument("--posterior-alpha", type=float, default=None, help="--acceptance-method typical (default 0.3)")
-    p.add_argument("--proposal", default=None, choices=["dense", "sparse", "ids"],
-                   help="wire form of q (default: ids when greedy, else dense)")
-    p.add_argument("--proposal-dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                   help="dtype of q's probabilities on the wire (default float32; alone: a dense q of this dtype)")
-    p.add_argument("--top-n", type=int, default=None,
-                   help="tokens kept by --proposal sparse (default 64; alone: a sparse q of this many)")
+    _add_proposal_args(p)
     p.add_argument("--num-speculative-tokens", type=gamma_arg, default="auto",
                    help="gamma, drafts per round, or 'auto' (default: per round in [0, 8], for goodput from the "
                         "measured acceptance and the load and step costs the services report)")
     p.add_argument("--fanout", type=positive("--fanout", zero=True), default=0,
                    help="speculation cache: the drafter pre-drafts the next round for its top-F bonus candidates "
                         "while the verifier works (0 = off)")
+
+
+def _add_proposal_args(p: argparse.ArgumentParser) -> None:
+    """The proposal's wire form (generate and gateway): read by proposal_format."""
+    p.add_argument("--proposal", default=None, choices=["dense", "sparse", "ids"],
+                   help="wire form of q (default: ids when greedy, else dense)")
+    p.add_argument("--proposal-dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="dtype of q's probabilities on the wire (default float32; alone: a dense q of this dtype)")
+    p.add_argument("--top-n", type=positive("--top-n"), default=None,
+                   help="tokens kept by --proposal sparse (default 64; alone: a sparse q of this many)")
 
 
 def _params(args: argparse.Namespace):
@@ -381,6 +386,7 @@ def _add_gateway_parser(sub) -> None:
                     help="gamma, drafts per round, or 'auto' (adaptive per round in [0, 8]; default)")
     gw.add_argument("--fanout", type=positive("--fanout", zero=True), default=0,
                     help="speculation cache: the drafter pre-drafts the next round for its top-F bonus candidates")
+    _add_proposal_args(gw)
     gw.add_argument("--max-concurrent-requests", type=positive("--max-concurrent-requests"), default=64,
                     help="generations run at once, each with a session on each side; more requests "
                          "wait for a slot, up to --timeout-s (then 503 server_busy)")

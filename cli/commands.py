@@ -114,14 +114,19 @@ def gateway_command(args: argparse.Namespace) -> int:
     from gateway.server import serve
     from specdec_rpc.ops import read_token
 
-    if not args.drafter and (args.fanout or args.num_speculative_tokens != "auto"):
-        raise ValueError("--num-speculative-tokens and --fanout need a --drafter (without one the gateway decodes "
-                         "target-only)")
+    from cli import proposal_format
+
+    drafting = (args.fanout or args.num_speculative_tokens != "auto" or args.proposal or args.proposal_dtype
+                or args.top_n)
+    if not args.drafter and drafting:
+        raise ValueError("--num-speculative-tokens, --fanout and the --proposal flags need a --drafter (without one "
+                         "the gateway decodes target-only)")
     logging.basicConfig(level=args.log_level.upper(),
                         format="ts=%(asctime)s role=gateway level=%(levelname)s logger=%(name)s %(message)s")
     upstream = UpstreamConfig(
         verifier=args.verifier, drafter=args.drafter, num_speculative_tokens=args.num_speculative_tokens,
-        fanout=args.fanout, timeout_s=args.timeout_s, recovery_timeout_s=args.recovery_timeout_s,
+        fanout=args.fanout, proposal_format=proposal_format(args),
+        timeout_s=args.timeout_s, recovery_timeout_s=args.recovery_timeout_s,
         tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=read_token(args.auth_token_file) if args.auth_token_file else None,
         max_concurrent_requests=args.max_concurrent_requests)

@@ -72,7 +72,12 @@ _NOT_DONE: dict[str, object] = {
     "logits_processors": None, "truncate_prompt_tokens": None, "audio": None, "prediction": None,
     "chat_template": None, "skip_special_tokens": True, "spaces_between_special_tokens": True,
     "max_completion_tokens": None,  # /v1/completions only: chat defines it (max_tokens is completions')
+    "return_tokens_as_token_ids": False,
+    "response_format": None,  # /v1/completions only (vLLM's CompletionRequest has it): chat checks its own
 }
+# Of those, the ones whose empty list or object also means "off"; an empty guided_json schema
+# ({}) is vLLM's "any JSON value", a constraint.
+_EMPTY_IS_OFF = {"functions", "bad_words", "logits_processors", "structured_outputs"}
 
 
 class _Sampling(BaseModel):
@@ -113,7 +118,9 @@ class _Sampling(BaseModel):
         for name, off in _NOT_DONE.items():
             if name in extra:
                 value = extra.pop(name)
-                if value is not None and value != off and value != [] and value != {}:
+                if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
+                    continue  # plain text, what every reply is
+                if value is not None and value != off and not (name in _EMPTY_IS_OFF and value in ([], {})):
                     raise bad_request(name, f"{name} is not supported by this server")
         modalities = extra.pop("modalities", None)
         if modalities not in (None, ["text"]):
@@ -199,6 +206,7 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None  # vLLM's: for RAG templates, rendered as the template's `documents`
     add_special_tokens: bool = False  # vLLM's: special tokens on top of the template's (which has its BOS)
     echo: bool = False  # vLLM's: the last message's content before the reply (refused)
 
@@ -233,6 +241,8 @@ class ChatCompletionRequest(_Sampling):
                    "continue_final_message": self.continue_final_message, "add_special_tokens": self.add_special_tokens}
         if self.tools:
             options["tools"] = self.tools
+        if self.documents:
+            options["documents"] = self.documents
         return options
 
     def template_messages(self) -> list[dict[str, Any]]:
@@ -367,7 +377,8 @@ def speculative(*results: GenerationResult) -> dict:
             "num_speculative_rounds": sum(r.num_speculative_rounds for r in results), "num_draft_tokens": drafts,
             "num_accepted_tokens": accepted, "acceptance_rate": accepted / drafts if drafts else 0.0,
             "draft_time_s": sum(r.draft_time_s for r in results),
-            "verify_time_s": sum(r.verify_time_s for r in results)}
+            "verify_time_s": sum(r.verify_time_s for r in results),
+            "proposal_bytes": sum(r.proposal_bytes for r in results)}  # q on the wire (--proposal's form)
 
 
 @dataclass
@@ -563,6 +574,7 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None  # rendered by the chat template, as vLLM's
+    documents: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
     def as_request(self) -> CompletionRequest | ChatCompletionRequest:
@@ -576,7 +588,8 @@ class TokenizeRequest(BaseModel):
                                      add_generation_prompt=self.add_generation_prompt,
                                      continue_final_message=self.continue_final_message,
                                      chat_template_kwargs=self.chat_template_kwargs,
-                                     tools=self.tools, tool_choice="none" if self.tools else None)
+                                     tools=self.tools, tool_choice="none" if self.tools else None,
+                                     documents=self.documents)
         chat.refuse_unsupported()
         return chat
 

@@ -38,6 +38,7 @@ from client.pool import parse_addresses
 from client.speculative import ClientClosed, IncompatibleModels, SpeculativeClient, StreamChunk
 from gateway.protocol import APIError
 from specdec.errors import InvalidArgument
+from specdec.proposals import ProposalFormat
 from specdec.sampling import SamplingParams
 from specdec_rpc import specdec_pb2 as pb
 
@@ -53,6 +54,7 @@ class UpstreamConfig:
     drafter: str | None = None
     num_speculative_tokens: int | str = "auto"
     fanout: int = 0
+    proposal_format: ProposalFormat | None = None  # the client's default (ids when greedy, else dense float32)
     timeout_s: float = 60.0
     recovery_timeout_s: float = 10.0
     tls_ca: str | None = None
@@ -437,4 +439,5 @@ def _make_client(config: UpstreamConfig) -> SpeculativeClient:
                              num_speculative_tokens=config.num_speculative_tokens, tls_ca=config.tls_ca,
                              tls_cert=config.tls_cert, tls_key=config.tls_key, auth_token=config.auth_token,
                              recovery_timeout_s=config.recovery_timeout_s, fanout=config.fanout,
+                             proposal_format=config.proposal_format,
                              batch_verify=True)  # one VerifyBatch per step for all its generations

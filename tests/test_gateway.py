@@ -381,6 +381,17 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
             oai.completions.create(model=model, prompt="x" * 2_000_000, max_tokens=2)
         assert "characters" in info.value.message
         return info.value
+    if case == "a body that is a JSON array":
+        reply = httpx.post(f"{base_url}/v1/completions", content=b'[1, 2]',
+                           headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+        assert "must be a JSON object" in reply.json()["error"]["message"], reply.text
+        return reply
+    if case in ("response_format on completions", "a prompt batch past 64 choices"):  # a 200 of free text before
+        kwargs = ({"prompt": "hi", "extra_body": {"response_format": {"type": "json_object"}}} if "response_format" in case
+                  else {"prompt": ["hi"] * 65})  # counted before tokenizing; the batch is the field, not n
+        with pytest.raises(openai.APIStatusError) as info:
+            oai.completions.create(model=model, max_tokens=2, **kwargs)
+        return info.value
     if case == "missing key":
         return httpx.post(f"{base_url}/v1/chat/completions", json={"model": model, "messages": messages})
     if case in ("a lone surrogate in the prompt", "a lone surrogate in a message"):  # valid JSON, not valid text
@@ -403,6 +414,8 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
               "chat_template_kwargs naming a call argument": {"extra_body": {"chat_template_kwargs": {"tokenize": False}}},
               # defined by vLLM and not done here: refused, since output that only looks constrained is worse
               "guided_json": {"extra_body": {"guided_json": {"type": "object"}}},
+              "an empty guided_json schema": {"extra_body": {"guided_json": {}}},  # vLLM's "any JSON value"
+              "return_tokens_as_token_ids": {"logprobs": True, "extra_body": {"return_tokens_as_token_ids": True}},
               "use_beam_search": {"extra_body": {"use_beam_search": True}},
               "top_k=-5": {"extra_body": {"top_k": -5}},
               # past the wire's int32 / 0 as its float32: refused by name (a bare 'Value out of range'
@@ -440,6 +453,11 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
     ("continue_final_message after a user message", 400, "continue_final_message", None),
     ("chat_template_kwargs naming a call argument", 400, "chat_template_kwargs", None),
     ("guided_json", 400, "guided_json", None),
+    ("an empty guided_json schema", 400, "guided_json", None),
+    ("return_tokens_as_token_ids", 400, "return_tokens_as_token_ids", None),
+    ("response_format on completions", 400, "response_format", None),
+    ("a prompt batch past 64 choices", 400, "prompt", None),
+    ("a body that is a JSON array", 400, None, "invalid_json"),
     ("use_beam_search", 400, "use_beam_search", None),
     ("top_k=-5", 400, "top_k", None),
     ("top_k past an int32", 400, "top_k", None),

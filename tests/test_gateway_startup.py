@@ -148,6 +148,24 @@ def test_a_request_queued_for_a_generation_slot_past_timeout_s_is_a_503_not_a_lo
 
 
 @pytest.mark.slow
+def test_the_gateway_sends_proposals_in_the_wire_form_its_flags_or_environment_name(verifier_proc, int8_drafter_proc):
+    """--proposal / --proposal-dtype / --top-n (here from $SPECDEC_GATEWAY_*, as compose sets
+    them) reach the gateway's client: a sampled request's proposals are sparse top-8 float16,
+    8 x (4 + 2) bytes per draft, against a dense float32 q of the vocabulary by default."""
+    request = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 1.0, "seed": 3, "ignore_eos": True}
+    sizes = {}
+    for name, env in (("dense", {}), ("sparse", {"SPECDEC_GATEWAY_PROPOSAL": "sparse", "SPECDEC_GATEWAY_TOP_N": "8",
+                                                "SPECDEC_GATEWAY_PROPOSAL_DTYPE": "float16"})):
+        with start_service("gateway", ["--verifier", verifier_proc.address, "--drafter", int8_drafter_proc.address,
+                                       "--num-speculative-tokens", "4", "--log-level", "WARNING"], env=env) as gw:
+            reply = httpx.post(f"http://{gw.address}/v1/completions", json=request, timeout=120).json()
+            spec = reply["speculative"]
+            assert spec["num_draft_tokens"] > 0, reply
+            sizes[name] = spec["proposal_bytes"] / spec["num_draft_tokens"]
+    assert sizes["sparse"] == 8 * (4 + 2) and sizes["dense"] == 49152 * 4, sizes
+
+
+@pytest.mark.slow
 def test_health_answers_at_once_while_connecting_and_models_waits_like_a_completion(unreachable_gateway):
     url = f"http://{unreachable_gateway.address}"
     start = time.monotonic()

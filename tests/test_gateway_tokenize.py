@@ -42,9 +42,11 @@ def bos_model(tmp_path_factory):
     subprocess.run([sys.executable, "-m", "cli", "random-model", "--preset", "tiny", "--out", str(out)],
                    check=True, capture_output=True, timeout=300)
     _prepend_bos(out / "tokenizer.json")
-    template = out / "chat_template.jinja"  # a tools block, as tool-aware templates (Qwen, Llama 3.1) have
+    template = out / "chat_template.jinja"  # a tools block, as tool-aware templates (Qwen, Llama 3.1) have,
     template.write_text("{%- if tools %}{{ '<|im_start|>system\\nTools: ' + (tools | tojson) + '<|im_end|>\\n' }}"
-                        "{%- endif %}" + template.read_text())
+                        "{%- endif %}"  # and a documents block, as RAG templates (Command-R, Granite) have
+                        "{%- if documents %}{%- for d in documents %}{{ '<|im_start|>document\\n' + d['text'] + "
+                        "'<|im_end|>\\n' }}{%- endfor %}{%- endif %}" + template.read_text())
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(out))
@@ -163,6 +165,22 @@ def test_tools_with_tool_choice_none_are_rendered_into_the_prompt_as_vllm_does(g
         with pytest.raises(openai.BadRequestError) as err:
             oai.chat.completions.create(model="", messages=messages, tools=TOOLS, max_tokens=2, **choice)
         assert err.value.body["param"] == "tool_choice"
+
+
+def test_documents_are_rendered_by_the_chat_template_as_vllm_does(gateway, oai, bos_model):
+    """vLLM's `documents` (RAG templates) reach the chat template; they were dropped with a log
+    line, and the reply ignored them."""
+    _, tokenizer = bos_model
+    messages = [{"role": "user", "content": "What is the capital?"}]
+    documents = [{"title": "France", "text": "Paris is the capital of France."}]
+    with_docs = _post(gateway, "/tokenize", {"messages": messages, "documents": documents}).json()
+    expected = tokenizer.apply_chat_template(messages, documents=documents, add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "input_ids") else expected
+    assert with_docs["tokens"] == list(expected)
+    assert with_docs["count"] > _post(gateway, "/tokenize", {"messages": messages}).json()["count"] + 5
+    reply = oai.chat.completions.create(model="", messages=messages, max_tokens=1,
+                                        extra_body={"documents": documents})
+    assert reply.usage.prompt_tokens == with_docs["count"]
 
 
 def test_a_prompt_that_fits_without_max_tokens_gets_the_room_left_not_an_error(oai):

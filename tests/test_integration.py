@@ -391,6 +391,18 @@ def test_max_tokens_none_generates_up_to_the_verifiers_context(drafter_proc):
         assert err.value.field == "max_tokens"
 
 
+def test_a_fixed_gamma_past_the_services_cap_is_said_once_at_start(drafter_proc, verifier_proc, caplog):
+    """The services' --max-draft-tokens (8 here) caps every round's drafts: a client (or a
+    gateway) asked for 20 says so in one warning at start, instead of drafting 8 silently."""
+    with caplog.at_level("WARNING", logger="client.speculative"), \
+            SpeculativeClient(verifier_proc.address, drafter=drafter_proc.address, num_speculative_tokens=20) as c:
+        result = c.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=12))
+    warned = [r.getMessage() for r in caplog.records if "num_speculative_tokens" in r.getMessage()]
+    assert warned == ["num_speculative_tokens 20 is past the services' max_draft_tokens (drafter 8, verifier 8): "
+                      "rounds draft at most 8"]
+    assert 0 < result.num_draft_tokens <= 8 * result.num_rounds
+
+
 def test_random_model_refuses_an_out_path_that_is_a_file(tmp_path):
     target = tmp_path / "model.txt"
     target.write_text("keep me")
