@@ -320,7 +320,10 @@ def test_first_token_is_not_delayed_by_a_slow_drafter_prefill(verifier_proc, slo
             spec.append(client.generate(ids, params, num_speculative_tokens=4).ttft_s)
     t_target, t_spec = sorted(target)[1], sorted(spec)[1]
     assert drafter_prefill > 2 * t_target, (drafter_prefill, t_target)  # on the critical path it would show
-    assert t_spec < 1.3 * t_target + 0.05, (t_spec, t_target)
+    # On the critical path the first token would come after the drafter's prefill (t_spec >=
+    # drafter_prefill); off it, near target-only's (slower only by the cores the prefill shares).
+    # The midpoint separates the two on a loaded host too (a fixed 1.3x failed under load).
+    assert t_spec < (t_target + drafter_prefill) / 2, (t_spec, t_target, drafter_prefill)
 
 
 def test_on_shared_cpus_a_lone_session_drafts_from_its_second_round(verifier_proc, drafter_proc):
