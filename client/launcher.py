@@ -80,8 +80,14 @@ def start_services(specs: list[tuple[str, list[str] | None]], *, host: str = "12
                for (role, args), port in zip(specs, ports or [0] * len(specs), strict=True)]
     try:
         deadline = time.monotonic() + timeout_s
-        for service, ready in spawned:
-            _wait_ready(service, ready, deadline, timeout_s)
+        waiting = list(spawned)
+        while waiting:  # whichever is ready (or failed) first: a service that fails fast is told at once
+            waiting[0][1].wait(0.1)
+            for service, ready in [w for w in waiting if w[1].is_set()]:
+                _wait_ready(service, ready, deadline, timeout_s)
+                waiting.remove((service, ready))
+            if waiting and time.monotonic() > deadline:
+                _wait_ready(*waiting[0], deadline, timeout_s)  # raises the TimeoutError
     except BaseException:
         for service, _ in spawned:
             service.kill()

@@ -256,7 +256,8 @@ def test_a_folder_of_tokenizer_files_alone_is_a_tokenizer(tmp_path):
                                   "a bench sampler device that is none", "a bench verifier json in no directory",
                                   "a repeated sweep point", "max-concurrency beside sweep points",
                                   "an engine batch size of 0", "a sampler gamma that is no number",
-                                  "a metrics port in use", "health of a service that is not there"])
+                                  "a metrics port in use", "health of a service that is not there",
+                                  "a demo whose verifier cannot start"])
 def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path, request):
     """Flags that cannot serve, files that are not what their flag needs, a device torch cannot
     use, a service that is not there: each is refused by name, before any model loads."""
@@ -351,6 +352,10 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path, request):
         # "NOT_FOUND: " and nothing else
         "health of a service that is not there": (["health", "--address", "VERIFIER", "--service", "nope"], 1,
                                                   "NOT_FOUND: no service 'nope' here"),
+        # the drafter, started beside it, is stopped too
+        "a demo whose verifier cannot start": (["demo", "--verifier-args", "--max-sessions 0"], 2,
+                                               "the verifier did not start: specdec verifier: error: argument "
+                                               "--max-sessions: --max-sessions must be > 0"),
         "openai bench against no server": (["bench", "serve", "--backend", "openai", "--base-url", "http://127.0.0.1:1",
                                             "--num-prompts", "1", "--max-tokens", "2"], 1,
                                            "GET http://127.0.0.1:1/v1/models: ConnectError"),
