@@ -532,10 +532,17 @@ def _sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+_COMMANDS_WITHOUT_BENCH = frozenset({"drafter", "verifier", "gateway", "generate", "health", "demo", "random-model"})
+
+
 def main(argv: list[str] | None = None) -> int:
-    # `specdec health` is a container's healthcheck, run every few seconds beside a busy service:
-    # it imports no torch (7-13 s on a loaded 2-core host, past compose's 5 s healthcheck timeout).
-    parser = build_parser(bench=(sys.argv[1:] if argv is None else argv)[:1] != ["health"])
+    # `specdec bench`'s parser imports torch (its engine and sampler benchmarks): built only for
+    # bench, or where the command is not known yet (help, a typo). `specdec health` is a
+    # container's healthcheck, run every few seconds beside a busy service: torch took 7-13 s on
+    # a loaded 2-core host, past compose's 5 s healthcheck timeout; a flag mistake of any other
+    # command is told a second sooner.
+    first = (sys.argv[1:] if argv is None else argv)[:1]
+    parser = build_parser(bench=not first or first[0] not in _COMMANDS_WITHOUT_BENCH)
     args = parser.parse_args(argv)
     try:
         if args.command in ("drafter", "verifier"):
