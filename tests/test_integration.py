@@ -263,6 +263,23 @@ def _cli(*args, timeout=300):
                           timeout=timeout)
 
 
+@pytest.mark.slow
+def test_the_readmes_demo_runs_both_services_and_the_gateway_and_stops_them():
+    """`specdec demo` (the README's first command), shortened: both services start, speculative
+    output equals target-only, the gateway answers, and every process is gone after it exits."""
+    import socket
+
+    run = _cli("demo", "--prompt", "Name a colour.", "--max-tokens", "8", timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "identical to target-only" in run.stdout and "speedup" in run.stdout and "it answers: '" in run.stdout
+    addresses = re.search(r"drafter at (\S+), verifier at (\S+)", run.stdout).groups()
+    gateway = re.search(r"gateway at http://(\S+)/v1", run.stdout).group(1)
+    for address in (*addresses, gateway):  # stopped: nothing listens there any more
+        host, port = address.rsplit(":", 1)
+        with socket.socket() as s:
+            assert s.connect_ex((host, int(port))) != 0, address
+
+
 def test_cli_generate_json_speculative_and_target_only(drafter_proc, verifier_proc):
     common = ["generate", "--verifier", verifier_proc.address, "--prompt", "Name a colour.", "--chat",
               "--max-tokens", "12", "--json"]
