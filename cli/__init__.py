@@ -48,7 +48,8 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--prefill-dtype", default="auto", choices=["auto", "none", "float32", "float16", "bfloat16"],
                    help="a second weights copy for rows of >= 3 tokens (prompts, catch-ups); auto: on a CPU, the "
                         "dtype whose multi-row matmul measures fastest at start (e.g. float32 for a float16 drafter "
-                        "on AVX2, bfloat16 with AVX512-BF16), none on CUDA")
+                        "on AVX2, bfloat16 with AVX512-BF16), none on CUDA. The drafter's only: a verifier scores "
+                        "every row with its own weights")
     p.add_argument("--quantize", default="auto" if role == "drafter" else "none", choices=["none", "int8", "int4", "auto"],
                    help="CPU only. int4: weight-only int4 decoder linears (groups of 32, bfloat16 activations; "
                         "overrides --dtype), a drafter step ~2x cheaper; int8: dynamic int8 decoder layers (a "
@@ -214,6 +215,13 @@ def _serve(args: argparse.Namespace, role: str) -> int:
                         format=f"ts=%(asctime)s role={role} level=%(levelname)s logger=%(name)s %(message)s")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     prefill_dtype = args.prefill_dtype
+    if role == "verifier":
+        # The target is one model: a copy for rows of >= 3 tokens would score verify rows (γ >= 2)
+        # with other weights than 1-token rows, and greedy output would change with γ.
+        if prefill_dtype not in ("auto", "none"):
+            raise ValueError(f"--prefill-dtype {prefill_dtype}: a verifier scores every row with its own weights "
+                             "(a copy for long rows would make its output depend on γ); the flag is the drafter's")
+        prefill_dtype = "none"
     quantize, dtype = args.quantize, args.dtype
     if dtype is None:  # the drafter's default: float16, or whatever auto's int4 computes in
         dtype = "float16"

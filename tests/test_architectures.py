@@ -56,6 +56,31 @@ def test_a_sliding_window_model_past_its_window_verifies_speculatively_like_targ
     assert spec.num_draft_tokens > spec.num_accepted_tokens  # drafts were rejected: the caches were cropped
 
 
+def test_a_half_precision_verifiers_greedy_output_is_the_same_at_every_gamma(tmp_path):
+    """A float16 verifier on a CPU without native float16 GEMMs took --prefill-dtype auto's
+    second weight copy (bfloat16 with AVX512-BF16, float32 on AVX2) for rows of >= 3 tokens,
+    verify rows of γ >= 2 included, and 1-token rows ran the float16 weights: greedy output at
+    γ 3 or 5 differed from target-only and γ 1 (2 of 8 generations of this tiny model on an
+    AVX512-BF16 host). The verifier takes no copy."""
+    import subprocess
+    import sys
+
+    model = tmp_path / "tiny16"
+    subprocess.run([sys.executable, "-m", "cli", "random-model", "--preset", "tiny", "--dtype", "float16", "--out",
+                    str(model)], check=True, capture_output=True, timeout=300)
+    with start_services([("verifier", ["--model", str(model), "--dtype", "float16", "--log-level", "WARNING"]),
+                         ("drafter", ["--model", str(model), "--log-level", "WARNING"])], threads=1) as (v, d), \
+            SpeculativeClient(v.address, drafter=d.address) as client:
+        params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+        for prompt in ("def fibonacci(n):\n    if n < 2:", "The capital of France is", "Once upon a time",
+                       "1, 2, 3, 4,"):
+            base = client.generate(prompt, params, target_only=True)
+            for gamma in (1, 3, 5):
+                spec = client.generate(prompt, params, num_speculative_tokens=gamma)
+                assert spec.token_ids == base.token_ids, (prompt, gamma)
+                assert spec.num_draft_tokens > 0
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "opt"])
 def test_quantized_models_of_other_layouts_load_and_run(tmp_path, arch):
     """--quantize int8 (and the drafter's auto int4) quantize the decoder blocks wherever the

@@ -257,7 +257,7 @@ def test_a_folder_of_tokenizer_files_alone_is_a_tokenizer(tmp_path):
                                   "a repeated sweep point", "max-concurrency beside sweep points",
                                   "an engine batch size of 0", "a sampler gamma that is no number",
                                   "a metrics port in use", "health of a service that is not there",
-                                  "a demo whose verifier cannot start"])
+                                  "a demo whose verifier cannot start", "a verifier prefill copy"])
 def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path, request):
     """Flags that cannot serve, files that are not what their flag needs, a device torch cannot
     use, a service that is not there: each is refused by name, before any model loads."""
@@ -356,6 +356,9 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path, request):
         "a demo whose verifier cannot start": (["demo", "--verifier-args", "--max-sessions 0"], 2,
                                                "the verifier did not start: specdec verifier: error: argument "
                                                "--max-sessions: --max-sessions must be > 0"),
+        # it scored verify rows (γ >= 2) with the copy and 1-token rows with the model: output depended on γ
+        "a verifier prefill copy": (["verifier", "--dtype", "float16", "--prefill-dtype", "bfloat16"], 2,
+                                    "--prefill-dtype bfloat16: a verifier scores every row with its own weights"),
         "openai bench against no server": (["bench", "serve", "--backend", "openai", "--base-url", "http://127.0.0.1:1",
                                             "--num-prompts", "1", "--max-tokens", "2"], 1,
                                            "GET http://127.0.0.1:1/v1/models: ConnectError"),

@@ -116,6 +116,9 @@ class VerifierEngine(ServingModel):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if getattr(self.lm, "prefill_slots", None) is not None:  # see cli: the target is one model
+            raise ValueError("a verifier scores every row with its own weights: its model takes no prefill copy "
+                             "(ModelSpec.prefill_dtype='none')")
         # Checked at start: a "triton" backend without triton or without CUDA is a clear error now,
         # not a failed batch later.
         self.sampler_backend = resolve_backend(self.config.sampler_backend, self.lm.device)
