@@ -47,7 +47,7 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
                         "verifies and batched steps ~1.7x faster) or MKL")
     p.add_argument("--prefill-dtype", default="auto", choices=["auto", "none", "float32", "float16", "bfloat16"],
                    help="a second weights copy for rows of >= 3 tokens (prompts, catch-ups); auto: on a CPU, the "
-                        "dtype whose multi-row matmul measures fastest at start (e.g. float32 for a float16 drafter "
+                        "dtype whose multi-row matmuls run natively by its flags (e.g. float32 for a float16 drafter "
                         "on AVX2, bfloat16 with AVX512-BF16), none on CUDA. The drafter's only: a verifier scores "
                         "every row with its own weights")
     p.add_argument("--quantize", default="auto" if role == "drafter" else "none", choices=["none", "int8", "int4", "auto"],
