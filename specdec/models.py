@@ -10,6 +10,7 @@ later loads take well under a second instead of ~25 s.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import importlib.util
@@ -443,6 +444,7 @@ class CausalLM:
             unpacked = None  # int4: the model before packing, for the prefill weights
             vocab_size = int(model.get_output_embeddings().weight.shape[0])  # rows of the LM head
             blocks = decoder_blocks(model) if spec.quantize in ("int8", "int4") else None
+            quantized = False
             if spec.quantize in ("int8", "int4") and blocks is None:
                 log.warning("--quantize %s: no decoder layers found in %s; it runs unquantized", spec.quantize,
                             type(model).__name__)
@@ -454,6 +456,8 @@ class CausalLM:
                 # Only the decoder layers: the tied embedding / LM head stays exact.
                 owner, name = blocks
                 setattr(owner, name, quantize_dynamic(getattr(owner, name), {torch.nn.Linear}, dtype=torch.qint8))
+                # GPT-2's Conv1D blocks hold no nn.Linear: nothing is quantized there
+                quantized = any("quantized" in type(m).__module__ for m in getattr(owner, name).modules())
             if spec.quantize == "int4" and blocks is not None:
                 import copy
 
@@ -462,18 +466,21 @@ class CausalLM:
                 if spec.prefill_dtype != "none":
                     unpacked = copy.deepcopy(model)
                 owner, name = blocks
-                if quantize_int4(getattr(owner, name)) == 0:  # widths not multiples of 32: nothing packs
+                quantized = quantize_int4(getattr(owner, name)) > 0
+                if not quantized:  # widths not multiples of 32: nothing packs
                     log.warning("--quantize int4: no decoder linear of this model packs; it runs unquantized")
                 head = model.get_output_embeddings()
                 if isinstance(head, torch.nn.Linear) and head.bias is None:
                     model.set_output_embeddings(Int8WeightLinear(head))  # the tied input embedding stays
             if spec.cpu_linear == "onednn":
                 use_onednn_linears(model)
-            return model.to(spec.device).eval(), vocab_size, unpacked
+            return model.to(spec.device).eval(), vocab_size, unpacked, quantized
 
         # Every tensor op of loading (oneDNN's weight reorder above all: a 1-token step of the
         # target 72 -> 100 ms when it ran on the caller's thread) stays off the serving threads.
-        self.model, self.vocab_size, unpacked = _on_own_thread(load)
+        self.model, self.vocab_size, unpacked, quantized = _on_own_thread(load)
+        if spec.quantize and not quantized:  # the name it serves under says what runs: "[bfloat16]", not "+int4"
+            spec = self.spec = dataclasses.replace(spec, quantize=None)
         model = self.model
         self.config = model.config
         self.device = torch.device(spec.device)

@@ -241,6 +241,8 @@ class ServingModel:
             raise ValueError(f"--max-num-batched-tokens must be >= --max-draft-tokens + 2 = {config.max_draft_tokens + 2}"
                              f", got {self.max_batched_tokens}")
         self.lm = lm or CausalLM(spec)
+        # What the model turned out to be (an --quantize that found nothing to quantize is dropped)
+        spec = self.spec = getattr(self.lm, "spec", spec)
         budget = None if config.kv_budget_mb is None else int(config.kv_budget_mb * 2**20)
         max_sessions = self._configure_pool(config, budget)
         self.sessions = SessionStore(

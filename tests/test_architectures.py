@@ -95,8 +95,13 @@ def test_quantized_models_of_other_layouts_load_and_run(tmp_path, arch):
     assert name == {"gpt2": "h", "opt": "layers"}[arch] and len(getattr(owner, name)) == 2
     if arch == "opt":  # nn.Linear blocks (GPT-2's are Conv1D, which dynamic int8 leaves alone)
         assert any("quantized" in type(m).__module__ for m in getattr(owner, name).modules())
+    # The name it serves under says what runs: "+int8" only where something was quantized.
+    assert lm.spec.display_name.endswith({"gpt2": "[float32]", "opt": "[float32+int8]"}[arch])
     logits = lm.forward([1000, 1001, 1002], lm.new_cache(), logits_to_keep=1)
     assert logits.shape == (1, VOCAB) and bool(torch.isfinite(logits).all())
+    if arch == "gpt2":  # int4 packs no Conv1D either: it ran unquantized yet served as "[bfloat16+int4]"
+        int4 = CausalLM(ModelSpec(model=path, quantize="int4", prefill_dtype="none"))
+        assert int4.spec.quantize is None and int4.spec.display_name.endswith("[bfloat16]")
 
 
 def _padded_pair(tmp_path, pad: int = 64) -> tuple[str, str, str]:
