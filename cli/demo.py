@@ -8,7 +8,7 @@ import json
 import shlex
 import time
 
-from client.launcher import ServiceProcess, start_gateway, start_services
+from client.launcher import ServiceProcess, ServiceStartError, start_gateway, start_services
 from client.speculative import SpeculativeClient
 from specdec.errors import SpecDecError
 from specdec.sampling import SamplingParams
@@ -31,11 +31,10 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         try:  # both at once: their imports and model loads overlap
             services.extend(start_services([("drafter", drafter_args), ("verifier", shlex.split(args.verifier_args))]))
-        except RuntimeError as exc:  # the service's own error line, not a traceback
-            lines = str(exc).splitlines()
-            errors = [line for line in lines if "error:" in line]
-            role = lines[0].split()[0]  # "<role> exited with ..."
-            raise SpecDecError(f"the {role} did not start: {errors[-1] if errors else lines[0]}") from None
+        except ServiceStartError as exc:  # the service's own error line, not a traceback
+            errors = [line for line in exc.output if "error:" in line]
+            last = errors[-1] if errors else (exc.output[-1] if exc.output else "no output")
+            raise SpecDecError(f"the {exc.role} did not start: {last}") from None
         drafter, verifier = (s.address for s in services)
         print(f"drafter at {drafter}, verifier at {verifier}", flush=True)
         with SpeculativeClient(verifier, drafter=drafter, num_speculative_tokens=gamma) as client:

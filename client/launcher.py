@@ -20,6 +20,17 @@ from dataclasses import dataclass, field
 log = logging.getLogger(__name__)
 
 
+ROLES = ("drafter", "verifier", "gateway")
+
+
+class ServiceStartError(RuntimeError):
+    """A service exited before it served: its role and its last lines of output."""
+
+    def __init__(self, role: str, output: list[str]) -> None:
+        super().__init__(f"{role} exited before serving:\n" + "\n".join(output))
+        self.role, self.output = role, output
+
+
 @dataclass
 class ServiceProcess:
     role: str
@@ -76,9 +87,16 @@ def start_services(specs: list[tuple[str, list[str] | None]], *, host: str = "12
     """start_service for several (role, args) at once: every process is spawned before the
     first is waited for, so their imports and model loads overlap (a drafter and a verifier
     convert the embedded model once, under a file lock). If one fails, all are stopped."""
-    spawned = [_spawn(role, args, host, port, threads, env)
-               for (role, args), port in zip(specs, ports or [0] * len(specs), strict=True)]
+    ports = ports or [0] * len(specs)
+    # Checked before any process starts, so that none is left running.
+    if bad := [role for role, _ in specs if role not in ROLES]:
+        raise ValueError(f"role must be drafter, verifier or gateway, got {bad[0]!r}")
+    if len(ports) != len(specs):
+        raise ValueError(f"one port per service: {len(ports)} ports for {len(specs)} services")
+    spawned: list[tuple[ServiceProcess, threading.Event]] = []
     try:
+        for (role, args), port in zip(specs, ports):
+            spawned.append(_spawn(role, args, host, port, threads, env))
         deadline = time.monotonic() + timeout_s
         waiting = list(spawned)
         while waiting:  # whichever is ready (or failed) first: a service that fails fast is told at once
@@ -97,8 +115,6 @@ def start_services(specs: list[tuple[str, list[str] | None]], *, host: str = "12
 
 def _spawn(role: str, args: list[str] | None, host: str, port: int, threads: int | None,
            env: dict[str, str] | None) -> tuple[ServiceProcess, threading.Event]:
-    if role not in ("drafter", "verifier", "gateway"):
-        raise ValueError(f"role must be drafter, verifier or gateway, got {role!r}")
     cmd = [sys.executable, "-m", "cli", role, "--host", host, "--port", str(port), *(args or [])]
     if threads and role != "gateway":
         cmd += ["--threads", str(threads)]
@@ -136,8 +152,7 @@ def _wait_ready(service: ServiceProcess, ready: threading.Event, deadline: float
             raise TimeoutError(f"{role} did not start within {timeout_s:g} s: " + "\n".join(service.output[-20:]))
     if not service.address:
         service.kill()
-        raise RuntimeError(f"{role} exited with {service.proc.poll()} before serving:\n"
-                           + "\n".join(service.output[-40:]))
+        raise ServiceStartError(role, service.output[-40:])
     log.info("%s pid=%d at %s", role, service.proc.pid, service.address)
 
 

@@ -242,6 +242,24 @@ def test_a_folder_of_tokenizer_files_alone_is_a_tokenizer(tmp_path):
         _resolve(ModelSpec(model=str(tmp_path)))
 
 
+def test_services_started_together_are_all_stopped_when_one_fails():
+    """start_services (the demo's, bench peer's): the first service to fail is named at once,
+    with its own error line, and the others, still loading, are stopped, not left running."""
+    from client.launcher import ServiceStartError, start_services
+
+    marker = "777.25"  # a --session-ttl-s no other process uses: finds the drafter's process
+    start = time.monotonic()
+    with pytest.raises(ServiceStartError) as err:
+        start_services([("drafter", ["--session-ttl-s", marker]), ("verifier", ["--max-sessions", "0"])])
+    assert err.value.role == "verifier" and any("--max-sessions must be > 0" in line for line in err.value.output)
+    assert time.monotonic() - start < 30  # not after the drafter's model load
+    left = subprocess.run(["pgrep", "-f", f"--session-ttl-s {marker}"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout
+    with pytest.raises(ValueError, match="got 'trainer'"):  # refused before anything starts
+        start_services([("drafter", ["--session-ttl-s", marker]), ("trainer", [])])
+    assert subprocess.run(["pgrep", "-f", f"--session-ttl-s {marker}"], capture_output=True).stdout == b""
+
+
 @pytest.mark.parametrize("case", ["max-sessions 0", "kv-budget 0", "not a certificate", "missing token file",
                                   "cuda without CUDA", "bench against no verifier", "a result file that is a list",
                                   "result file in no directory", "negative grace", "negative warm-up",
@@ -352,7 +370,6 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path, request):
         # "NOT_FOUND: " and nothing else
         "health of a service that is not there": (["health", "--address", "VERIFIER", "--service", "nope"], 1,
                                                   "NOT_FOUND: no service 'nope' here"),
-        # the drafter, started beside it, is stopped too
         "a demo whose verifier cannot start": (["demo", "--verifier-args", "--max-sessions 0"], 2,
                                                "the verifier did not start: specdec verifier: error: argument "
                                                "--max-sessions: --max-sessions must be > 0"),
