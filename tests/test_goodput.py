@@ -438,11 +438,17 @@ def test_a_proposal_whose_row_sum_overflows_float32_verifies_as_its_normalized_s
         q = np.full((2, vocab), 1e-4, dtype=np.float64)
         q[:, 8] = 1.0  # the draft's share: ~0.17 of each row, mostly rejected by the target
         ids = np.argsort(-q[0], kind="stable")[:64].astype(np.int32)
+        q[:, ids[1:]] = 0.05  # the sparse form's 64 entries sum to 4.15: scaled by 3e38, past float32's max too
         forms = {"dense": lambda scale: pb.Proposal(kind=pb.DENSE, dtype=pb.FLOAT32, shape=[2, vocab],
                                                     probs=(q * scale).astype(np.float32).tobytes()),
                  "sparse": lambda scale: pb.Proposal(kind=pb.SPARSE_TOP_N, dtype=pb.FLOAT32, shape=[2, 64],
                                                      probs=(q[:, ids] * scale).astype(np.float32).tobytes(),
                                                      token_ids=np.stack([ids, ids]).tobytes())}
+        from specdec.proposals import decode_proposal
+        from specdec_rpc.adapters import proposal_from_pb
+
+        for form, proposal in forms.items():  # both forms overflow (the check's power): rescaled, not passed as is
+            assert float(decode_proposal(proposal_from_pb(proposal(3e38), True), 2, vocab).amax()) == 1.0, form
         rejected = 0
         for form, proposal in forms.items():
             for seed in range(6):
