@@ -362,6 +362,9 @@ def _sweep(args: argparse.Namespace) -> int:
         # each point runs at its own concurrency: a --max-concurrency beside them was dropped unseen
         raise ValueError("--max-concurrency goes with --request-rates (a bound on every rate's run); "
                          "--concurrency already sets each point's")
+    if args.request_rates and args.request_rate != math.inf:  # the same for a rate beside the rates
+        raise ValueError("--request-rate goes with --concurrency (every concurrency point's arrivals); "
+                         "--request-rates already sets each point's")
     result = run_sweep(_workload(args, False), concurrency=args.concurrency or [], request_rates=args.request_rates or [],
                        warmup=args.warmup_wave)
     print(format_sweep(result))

@@ -598,6 +598,9 @@ class SpeculativeClient:
             if len(prompt_ids) >= max_context:
                 raise InvalidArgument("max_tokens", f"the prompt's {len(prompt_ids)} tokens fill the verifier's "
                                                     f"maximum context {max_context}: no room for max_tokens=None")
+            if params.min_tokens > max_context - len(prompt_ids):
+                raise InvalidArgument("min_tokens", f"{params.min_tokens} is more than the {max_context - len(prompt_ids)} "
+                                                    f"tokens left in the verifier's context {max_context} after the prompt")
             params = params.replace(max_tokens=max_context - len(prompt_ids))
         # The last token is never cached: a generation needs room for all but it (the gateway keeps
         # vLLM's rule, prompt + max_tokens <= the context, except for an echoed prompt's one token).

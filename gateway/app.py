@@ -224,8 +224,8 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
         n = body.n or 1
         raw_prompts = [None] if chat else body.prompts()
         # Counted before any prompt is tokenized (3,000 long prompts took 11 s to refuse); the
-        # field to shrink is n where it was sent, else the prompt batch.
-        field = "n" if body.n is not None else "prompt"
+        # field to shrink is n where it asks for more than one, else the prompt batch.
+        field = "n" if n > 1 else "prompt"
         if len(raw_prompts) * n > MAX_CHOICES:
             raise bad_request(field, f"prompts x n = {len(raw_prompts)} x {n} is more than {MAX_CHOICES} generations "
                                      "in one request")

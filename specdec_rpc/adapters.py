@@ -296,8 +296,8 @@ def serve(
         metrics_bound = ops.start(host)
     except OSError as exc:  # the metrics port in use: name the flag, and stop the gRPC server already listening
         server.stop(0)
-        raise OSError(f"--metrics-port {metrics_port}: could not listen on {host}:{metrics_port}: "
-                      f"{exc.strerror or exc}") from exc
+        raise OSError(f"--metrics-port (or $SPECDEC_METRICS_PORT) {metrics_port}: could not listen on "
+                      f"{host}:{metrics_port}: {exc.strerror or exc}") from exc
     _start_reaper(engine, server)
     wrap_stop(server, ops)
     if announce:

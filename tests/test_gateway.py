@@ -388,7 +388,7 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
         return reply
     if case in ("response_format on completions", "a prompt batch past 64 choices"):  # a 200 of free text before
         kwargs = ({"prompt": "hi", "extra_body": {"response_format": {"type": "json_object"}}} if "response_format" in case
-                  else {"prompt": ["hi"] * 65})  # counted before tokenizing; the batch is the field, not n
+                  else {"prompt": ["hi"] * 65, "n": 1})  # counted before tokenizing; the batch is the field, not n
         with pytest.raises(openai.APIStatusError) as info:
             oai.completions.create(model=model, max_tokens=2, **kwargs)
         return info.value

@@ -406,6 +406,9 @@ def test_max_tokens_none_generates_up_to_the_verifiers_context(drafter_proc):
         with pytest.raises(InvalidArgument, match="fill the verifier's maximum context 24") as err:
             client.generate(list(range(100, 124)), unbounded)
         assert err.value.field == "max_tokens"
+        with pytest.raises(InvalidArgument, match="tokens left in the verifier's context 24") as err:
+            client.generate(ids, unbounded.replace(min_tokens=24 - len(ids) + 1))  # not "max_tokens=..." it never set
+        assert err.value.field == "min_tokens"
 
 
 def test_a_fixed_gamma_past_the_services_cap_is_said_once_at_start(drafter_proc, verifier_proc, caplog):

@@ -273,6 +273,7 @@ def test_services_started_together_are_all_stopped_when_one_fails():
                                   "a speculative bench with no drafter up", "random-model cuda without CUDA",
                                   "a bench sampler device that is none", "a bench verifier json in no directory",
                                   "a repeated sweep point", "max-concurrency beside sweep points",
+                                  "a request rate beside sweep rates",
                                   "an engine batch size of 0", "a sampler gamma that is no number",
                                   "a metrics port in use", "health of a service that is not there",
                                   "a demo whose verifier cannot start", "a verifier prefill copy"])
@@ -359,6 +360,9 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path, request):
         "max-concurrency beside sweep points": (["bench", "sweep", "--verifier", "127.0.0.1:1", "--drafter",
                                                  "127.0.0.1:2", "--concurrency", "1,4", "--max-concurrency", "2"], 2,
                                                 "--max-concurrency goes with --request-rates"),
+        "a request rate beside sweep rates": (["bench", "sweep", "--verifier", "127.0.0.1:1", "--drafter",
+                                               "127.0.0.1:2", "--request-rates", "1,2", "--request-rate", "5"], 2,
+                                              "--request-rate goes with --concurrency"),
         # a RuntimeError from inside the model after it was built, and a ValueError traceback
         "an engine batch size of 0": (["bench", "engine", "--preset", "tiny", "--batch-sizes", "1,0"], 2,
                                       "--batch-sizes values must be > 0"),
@@ -366,7 +370,7 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path, request):
                                               "--gammas takes comma-separated integers, got 'x'"),
         # "[Errno 98] Address already in use", with the gRPC server already listening
         "a metrics port in use": (["verifier", "--port", "0", "--metrics-port", "BUSY"], 1,
-                                  "--metrics-port BUSY: could not listen on"),
+                                  "--metrics-port (or $SPECDEC_METRICS_PORT) BUSY: could not listen on"),
         # "NOT_FOUND: " and nothing else
         "health of a service that is not there": (["health", "--address", "VERIFIER", "--service", "nope"], 1,
                                                   "NOT_FOUND: no service 'nope' here"),
