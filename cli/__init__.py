@@ -127,7 +127,8 @@ def _add_ops_args(p: argparse.ArgumentParser) -> None:
 
 def _apply_env_defaults(p: argparse.ArgumentParser, role: str, shared: bool = True) -> None:
     """Every `--some-flag` of a service defaults to $SPECDEC_<ROLE>_SOME_FLAG, else (when
-    `shared`) $SPECDEC_SOME_FLAG (how containers are configured); a flag on the command line wins."""
+    `shared`) $SPECDEC_SOME_FLAG (how containers are configured); a flag on the command line wins.
+    An empty variable is an unset one (compose's `${VAR:-}`): the flag keeps its default."""
     checks = []
     for action in p._actions:
         flags = [f for f in action.option_strings if f.startswith("--")]
@@ -136,12 +137,12 @@ def _apply_env_defaults(p: argparse.ArgumentParser, role: str, shared: bool = Tr
         name = flags[0][2:].upper().replace("-", "_")
         for var in (f"SPECDEC_{role.upper()}_{name}", f"SPECDEC_{name}")[: 2 if shared else 1]:
             value = os.environ.get(var)
-            if value is None:
+            if not value:  # None skipped argparse's `type` and its checks: --grace-s became None, no drain
                 continue
             if action.nargs == 0:  # store_true / store_false
                 action.default = value.strip().lower() in ("1", "true", "yes", "on")
             else:
-                action.default = value if value != "" else None  # argparse runs `type` on string defaults
+                action.default = value  # argparse runs `type` on string defaults
                 if action.type is not None:
                     action.type = _naming_env(action.type, var, action.default)
                 checks.append((var, action.dest, action.choices))

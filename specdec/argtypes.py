@@ -105,10 +105,13 @@ def port(name: str):
 
 class AddressList(argparse.Action):
     """A repeatable HOST:PORT option (default None): `--x A --x B` and `--x A,B` both give
-    "A,B", a pool the client splits."""
+    "A,B", a pool the client splits. The command line's list replaces a default (one from
+    $SPECDEC_GATEWAY_VERIFIER, say) instead of adding to it."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        previous = getattr(namespace, self.dest, None)
+        given = f"_{self.dest}_given"
+        previous = getattr(namespace, self.dest, None) if getattr(namespace, given, False) else None
+        setattr(namespace, given, True)
         setattr(namespace, self.dest, f"{previous},{values}" if previous else values)
 
 

@@ -100,6 +100,23 @@ def test_compose_has_drafter_verifier_gateway_and_a_loadgen_profile(compose):
     assert compose["services"]["gateway"]["depends_on"] == healthy
 
 
+def test_the_command_line_beats_the_environment_and_an_empty_variable_is_unset(monkeypatch):
+    """A flag given on the command line replaces its $SPECDEC_* default (the gateway's
+    --verifier was added to $SPECDEC_GATEWAY_VERIFIER's as a pool of both); an empty variable,
+    compose's `${VAR:-}`, leaves the flag at its default (it became None, past the flag's type:
+    --grace-s None drained nothing, --max-sessions None crashed after the model load)."""
+    env = {"SPECDEC_GATEWAY_VERIFIER": "10.0.0.1:50052", "SPECDEC_GATEWAY_GRACE_S": "",
+           "SPECDEC_GATEWAY_TIMEOUT_S": "", "SPECDEC_GRACE_S": "", "SPECDEC_MAX_SESSIONS": ""}
+    gateway = _parse(["gateway", "--verifier", "127.0.0.1:50052", "--verifier", "127.0.0.1:50053"], env, monkeypatch)
+    assert gateway.verifier == "127.0.0.1:50052,127.0.0.1:50053"
+    assert (gateway.grace_s, gateway.timeout_s) == (5.0, 60.0)
+    assert _parse(["gateway"], env, monkeypatch).verifier == "10.0.0.1:50052"  # the environment's, alone
+    verifier = _parse(["verifier"], env, monkeypatch)
+    defaults = build_parser().parse_args(["verifier"])
+    assert (verifier.grace_s, verifier.max_sessions) == (defaults.grace_s, defaults.max_sessions)
+    assert verifier.grace_s is not None
+
+
 def test_compose_gateway_config_is_what_the_cli_parses(compose, monkeypatch):
     service = compose["services"]["gateway"]
     env = _interpolate(service["environment"])
