@@ -6,7 +6,8 @@
 #
 # Configuration is by environment (SPECDEC_MODEL, SPECDEC_DTYPE, SPECDEC_DEVICE, SPECDEC_PORT,
 # SPECDEC_METRICS_PORT, SPECDEC_TLS_*, SPECDEC_AUTH_TOKEN_FILE, ...: every `specdec drafter|verifier`
-# flag --some-flag reads SPECDEC_SOME_FLAG); see docker-compose.yml and README "Deployment and operations".
+# flag --some-flag reads SPECDEC_SOME_FLAG; `specdec gateway` reads SPECDEC_GATEWAY_SOME_FLAG only, so its
+# host is set apart); see docker-compose.yml and README "Deployment and operations".
 # The embedded model is fetched and converted on first start into $SPECDEC_CACHE (/models): mount a
 # volume there so it happens once.
 
@@ -18,7 +19,7 @@ ARG CUDA_BASE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
 # ---- CPU ------------------------------------------------------------------------------------
 FROM python:${PYTHON_VERSION}-slim AS cpu
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    SPECDEC_CACHE=/models SPECDEC_HOST=0.0.0.0 SPECDEC_DEVICE=cpu
+    SPECDEC_CACHE=/models SPECDEC_HOST=0.0.0.0 SPECDEC_GATEWAY_HOST=0.0.0.0 SPECDEC_DEVICE=cpu
 # torch before the project, so that its `torch>=2.4` is already met. Where it is reachable, build
 # with --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu: the CPU-only wheel is
 # ~200 MB, the default PyPI wheel for Linux x86_64 bundles CUDA (several GB) it will never use here.
@@ -42,7 +43,7 @@ CMD ["verifier"]
 # ---- CUDA -----------------------------------------------------------------------------------
 FROM ${CUDA_BASE} AS cuda
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    SPECDEC_CACHE=/models SPECDEC_HOST=0.0.0.0 SPECDEC_DEVICE=cuda
+    SPECDEC_CACHE=/models SPECDEC_HOST=0.0.0.0 SPECDEC_GATEWAY_HOST=0.0.0.0 SPECDEC_DEVICE=cuda
 WORKDIR /app
 COPY pyproject.toml README.md ./
 # The base image's torch (CUDA build) satisfies torch>=2.4, so pip keeps it.

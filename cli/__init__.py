@@ -16,7 +16,7 @@ import threading
 
 from specdec.argtypes import (  # noqa: F401
     device as device_arg,
-    MAX_TIMEOUT_S, MAX_WAIT_MS, AddressList, add_client_security_args, gamma_arg, port, positive,
+    MAX_TIMEOUT_S, MAX_WAIT_MS, AddressList, add_client_security_args, gamma_arg, log_level, port, positive,
 )
 from specdec.errors import SpecDecError
 
@@ -111,7 +111,7 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
                             "shared by all sessions; 0 turns the speculation cache off")
     p.add_argument("--grace-s", type=positive("--grace-s", float, zero=True), default=5.0,
                    help="on SIGTERM, wait this long for in-flight calls")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", type=log_level, default="INFO")
 
 
 def _add_ops_args(p: argparse.ArgumentParser) -> None:
@@ -172,9 +172,13 @@ def _check_env_values(args: argparse.Namespace) -> None:
 
 
 def _check_serving_files(args: argparse.Namespace) -> None:
-    """TLS and token files, before the model loads (a minute on a big model), each by its flag:
-    gRPC itself only says that the port could not be bound."""
-    markers = {"tls_cert": "CERTIFICATE", "tls_key": "PRIVATE KEY", "tls_ca": "CERTIFICATE", "auth_token_file": None}
+    """TLS and token files (services, the gateway, generate), before the model loads or the
+    connection loop starts, each by its flag: gRPC itself only says that the port could not be
+    bound, and a gateway retried a missing CA file for ever."""
+    if bool(getattr(args, "tls_cert", None)) != bool(getattr(args, "tls_key", None)):
+        raise ValueError("--tls-cert and --tls-key go together")
+    markers = {"tls_cert": "CERTIFICATE", "tls_key": "PRIVATE KEY", "tls_ca": "CERTIFICATE", "auth_token_file": None,
+               "ssl_certfile": "CERTIFICATE", "ssl_keyfile": "PRIVATE KEY"}
     for dest, marker in markers.items():
         path = getattr(args, dest, None)
         if path is None:
@@ -349,7 +353,7 @@ def proposal_format(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-
+    _check_serving_files(args)  # a missing --auth-token-file named no flag
     if not args.target_only and not args.drafter:
         parser.error("argument --drafter: required unless --target-only")
     # Flags that would change nothing are refused, as bench's are, rather than silently ignored.
@@ -410,7 +414,7 @@ def _add_gateway_parser(sub) -> None:
     gw.add_argument("--ssl-keyfile", default=None, help="PEM private key of --ssl-certfile")
     gw.add_argument("--grace-s", type=positive("--grace-s", float, zero=True), default=5.0,
                     help="on SIGTERM, let requests in flight finish for this long, then cancel them")
-    gw.add_argument("--log-level", default="INFO")
+    gw.add_argument("--log-level", type=log_level, default="INFO")
     # Only SPECDEC_GATEWAY_*: the shared SPECDEC_PORT, SPECDEC_TLS_CA, ... configure the services'
     # server side and mean something else here.
     _apply_env_defaults(gw, "gateway", shared=False)
@@ -560,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
             from cli.commands import gateway_command
 
             _check_env_values(args)
+            _check_serving_files(args)
             if not args.verifier:
                 raise ValueError("--verifier (or $SPECDEC_GATEWAY_VERIFIER) is required")
             return gateway_command(args)

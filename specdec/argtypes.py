@@ -53,6 +53,18 @@ def positive_list(name: str, kind=int):
     return parse
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def log_level(text: str) -> str:
+    """An argparse type: a logging level name, any case (Python's WARN and FATAL too), as its
+    canonical upper-case name (uvicorn took no "warn" and failed with a KeyError traceback)."""
+    name = {"WARN": "WARNING", "FATAL": "CRITICAL"}.get(text.strip().upper(), text.strip().upper())
+    if name.lower() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {text!r}")
+    return name
+
+
 def output_file(text: str) -> str:
     """An argparse type: a file path whose directory exists (checked before a run of minutes,
     not when its result is written)."""

@@ -115,6 +115,9 @@ def test_the_command_line_beats_the_environment_and_an_empty_variable_is_unset(m
     defaults = build_parser().parse_args(["verifier"])
     assert (verifier.grace_s, verifier.max_sessions) == (defaults.grace_s, defaults.max_sessions)
     assert verifier.grace_s is not None
+    # Python's own level names, any case: uvicorn took no "warn" (a KeyError traceback at start)
+    assert _parse(["gateway", "--log-level", "warn"], env, monkeypatch).log_level == "WARNING"
+    assert _parse(["verifier", "--log-level", "Fatal"], env, monkeypatch).log_level == "CRITICAL"
 
 
 def test_compose_gateway_config_is_what_the_cli_parses(compose, monkeypatch):

@@ -276,7 +276,9 @@ def test_services_started_together_are_all_stopped_when_one_fails():
                                   "a request rate beside sweep rates",
                                   "an engine batch size of 0", "a sampler gamma that is no number",
                                   "a metrics port in use", "health of a service that is not there",
-                                  "a demo whose verifier cannot start", "a verifier prefill copy"])
+                                  "a demo whose verifier cannot start", "a verifier prefill copy",
+                                  "a gateway log level that is none", "a gateway CA file that is not there",
+                                  "a certificate without its key", "a generate token file that is not there"])
 def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path, request):
     """Flags that cannot serve, files that are not what their flag needs, a device torch cannot
     use, a service that is not there: each is refused by name, before any model loads."""
@@ -380,6 +382,16 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path, request):
         # it scored verify rows (γ >= 2) with the copy and 1-token rows with the model: output depended on γ
         "a verifier prefill copy": (["verifier", "--dtype", "float16", "--prefill-dtype", "bfloat16"], 2,
                                     "--prefill-dtype bfloat16: a verifier scores every row with its own weights"),
+        # a KeyError traceback from uvicorn; the gateway then retried a missing CA for ever (503s);
+        # the services refused a lone certificate only after the model load
+        "a gateway log level that is none": (["gateway", "--verifier", "127.0.0.1:1", "--log-level", "loud"], 2,
+                                        "--log-level must be one of debug, info, warning, error, critical"),
+        "a gateway CA file that is not there": (["gateway", "--verifier", "127.0.0.1:1", "--tls-ca",
+                                                 str(tmp_path / "none.pem")], 2, "--tls-ca"),
+        "a certificate without its key": (["verifier", "--tls-cert", str(bad)], 2, "--tls-cert and --tls-key go together"),
+        "a generate token file that is not there": (["generate", "--verifier", "127.0.0.1:1", "--target-only", "--prompt",
+                                                     "x", "--auth-token-file", str(tmp_path / "none")], 2,
+                                                    "--auth-token-file"),
         "openai bench against no server": (["bench", "serve", "--backend", "openai", "--base-url", "http://127.0.0.1:1",
                                             "--num-prompts", "1", "--max-tokens", "2"], 1,
                                            "GET http://127.0.0.1:1/v1/models: ConnectError"),
