@@ -437,6 +437,11 @@ class CausalLM:
         # since torch's intra-op thread count is per OS thread.
         self.threads = torch.get_num_threads()
         path, kwargs = _resolve(spec)
+        if Path(path).is_dir() and "gguf_file" not in kwargs and not any(
+                (Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            # Before the weights load: transformers' own error, after it, asked to install sentencepiece
+            raise ValueError(f"model folder {path!r} has no tokenizer files (tokenizer.json, tokenizer_config.json): "
+                             "save the model's tokenizer beside its weights (tokenizer.save_pretrained)")
         load_dtype = torch.float32 if spec.quantize == "int8" else DTYPES[spec.dtype]
 
         def load():

@@ -189,12 +189,17 @@ def test_a_service_refuses_a_port_in_use_and_a_port_past_65535(services):
 
 
 def test_a_bad_model_path_or_environment_value_is_named_in_one_line(tmp_path):
-    """What a new user mistypes: a missing folder, a file, a folder without config.json, a hub id
-    never downloaded, $SPECDEC_VERIFIER_PORT=abc. Each is refused before loading, saying which."""
+    """What a new user mistypes: a missing folder, a file, a folder without config.json or without
+    a tokenizer, a hub id never downloaded, $SPECDEC_VERIFIER_PORT=abc. Each is refused before
+    loading, saying which."""
     (tmp_path / "weights.bin").write_bytes(b"")
     (tmp_path / "empty").mkdir()
     load_tokenizer(ModelSpec()).save_pretrained(tmp_path / "tokenizer-only")
+    (tmp_path / "weights-only").mkdir()  # (config.json is enough: checked before the weights load)
+    (tmp_path / "weights-only" / "config.json").write_text('{"model_type": "llama"}')
     cases = [
+        # transformers' own error, after the weights loaded, said to install sentencepiece or tiktoken
+        ({}, ["--model", str(tmp_path / "weights-only")], "has no tokenizer files"),
         ({}, ["--model", str(tmp_path / "missing")], "no such model folder"),
         ({}, ["--model", str(tmp_path / "weights.bin")], "is a file"),
         ({}, ["--model", str(tmp_path / "empty")], "has no config.json"),
