@@ -290,6 +290,8 @@ class ServingModel:
                 raise ResourceExhausted(f"--kv-budget-mb {config.kv_budget_mb:g} holds no session: one session's KV "
                                         f"({self.lm.max_context} tokens) takes {one / 2**20:.1f} MiB; raise "
                                         "--kv-budget-mb or lower --max-model-len")
+            # What GetModelInfo reports and refusals cite: the budget's count, not --max-sessions'
+            return min(config.max_sessions, budget // one)
         if slots is None or slots >= config.max_sessions + reserved:
             return config.max_sessions
         if slots <= reserved:

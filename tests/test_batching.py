@@ -385,6 +385,27 @@ def test_a_distribution_without_mass_fails_its_own_request_alone(target_lm, monk
         verifier.shutdown()
 
 
+def test_a_kv_budget_of_two_sessions_is_what_the_verifier_reports_and_admits(target_lm):
+    """--kv-budget-mb of 2.5 sessions' slots: GetModelInfo's max_sessions is 2, not
+    --max-sessions' 256 (a full server's refusal and the gateway's advice cited 256)."""
+    from specdec.errors import ResourceExhausted
+    from specdec.serving import EngineConfig
+    from verifier_service.engine import VerifierEngine
+
+    slot_mib = target_lm.slots.new_slot_bytes() / 2**20
+    verifier = VerifierEngine(target_lm.spec, EngineConfig(speculation_slots=0, kv_budget_mb=2.5 * slot_mib,
+                                                           evict_after_idle_s=60), lm=target_lm)
+    try:
+        assert verifier.info.max_sessions == 2
+        first, second = verifier.open_session(), verifier.open_session()
+        with pytest.raises(ResourceExhausted, match="2 live, max 2"):  # both just opened: none idle long enough
+            verifier.open_session()
+        for sid in (first, second):
+            verifier.close_session(sid)
+    finally:
+        verifier.shutdown()
+
+
 def test_an_unknown_session_is_refused_before_its_proposal_is_decoded(target_lm, monkeypatch):
     """Decoding makes a dense [K, V] q of any proposal: 5,000 VerifyBatch entries of 182 bytes
     each (a sparse top-1 proposal, an unknown session) cost the verifier 16.7 s."""
