@@ -924,7 +924,7 @@ class SpeculativeClient:
                                      error: grpc.RpcError | None = None) -> None:
         """Open `link`'s verifier session on the least-loaded verifier that answers, waiting
         out the pool's backoff for up to recovery_timeout_s, then raising NoServerAvailable from
-        `error` (the call that lost the previous session) or the first connection error. The
+        the latest connection error, else `error` (the call that lost the previous session). The
         caller re-prefills."""
         deadline = time.monotonic() + self.recovery_timeout_s
         queue_deadline = time.monotonic() + self.timeout_s  # one bound on queueing, however many turns it takes
@@ -985,7 +985,7 @@ class SpeculativeClient:
                     await wait_for_room()
                     deadline = time.monotonic() + self.recovery_timeout_s
                     continue
-                error = error or (errors[0] if errors else None)
+                error = errors[-1] if errors else error  # the latest: a restart's CANCELLED, then refusals
                 now = time.monotonic()  # before wait_s reads the clock: a try due at the deadline is within it
                 wait = self.verifiers.wait_s()
                 if wait is None:
