@@ -151,6 +151,7 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
     async def prometheus() -> Response:
         if upstream.client is not None or config.served_model_names:  # the model's name is known
             metrics.running.labels(served_names()[0]).set(upstream.running())
+            metrics.waiting.labels(served_names()[0]).set(upstream.waiting())
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

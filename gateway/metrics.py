@@ -3,7 +3,8 @@
 The serving metrics have vLLM's names and its `model_name` label, so a vLLM dashboard reads
 them unchanged: `vllm:e2e_request_latency_seconds`, `vllm:time_to_first_token_seconds`,
 `vllm:inter_token_latency_seconds`, `vllm:time_per_output_token_seconds` (per request),
-`vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, `vllm:num_requests_running`,
+`vllm:prompt_tokens_total`, `vllm:generation_tokens_total`, `vllm:num_requests_running` /
+`_waiting` (holding a generation slot / waiting for one),
 `vllm:request_success_total{finished_reason}` and the speculative counters
 `vllm:spec_decode_num_drafts_total` / `_num_draft_tokens_total` / `_num_accepted_tokens_total`
 (acceptance: `rate(vllm:spec_decode_num_accepted_tokens_total[5m]) /
@@ -31,7 +32,9 @@ class GatewayMetrics:
         per_model = ["model_name", "endpoint"]
         self.requests = Counter("specdec_gateway_requests", "HTTP requests answered, by endpoint and status code",
                                 ["endpoint", "status"], registry=r)
-        self.running = Gauge("vllm:num_requests_running", "generations in flight or waiting for a slot",
+        self.running = Gauge("vllm:num_requests_running", "generations in flight (holding a slot)",
+                             ["model_name"], registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "generations waiting for a slot (--max-concurrent-requests)",
                              ["model_name"], registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds",
                              "request arrival to its last token (completed generations)", per_model,

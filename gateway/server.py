@@ -34,7 +34,7 @@ class _Server(uvicorn.Server):
         grace = self.config.timeout_graceful_shutdown or 0.0
         timer = asyncio.get_running_loop().call_later(
             max(0.0, grace - STREAM_END_MARGIN_S), self._end_streams,
-            f"the gateway is shutting down: the stream ended after the {grace:g} s grace; retry the request")
+            f"the gateway is shutting down: the request was ended after the {grace:g} s grace; retry it")
         try:
             await super().shutdown(sockets)
         finally:

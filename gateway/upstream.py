@@ -164,6 +164,7 @@ class Generation:
     """One request's generation: a task on the gateway's loop; its chunks arrive through `next()`."""
 
     on_stale: Callable[[IncompatibleModels], None] | None = None  # every verifier serves another model now
+    running: bool = False  # holds a generation slot (vllm:num_requests_running; before: _waiting)
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     _task: asyncio.Task | None = None
 
@@ -177,10 +178,12 @@ class Generation:
                 raise APIError(503, f"every one of the gateway's generation slots (--max-concurrent-requests) was "
                                     f"busy for {slot_wait_s:g} s; retry later", type="service_unavailable",
                                code="server_busy")
+            self.running = True
             try:
                 async for chunk in client.astream(prompt_ids, params, num_speculative_tokens=gamma, fanout=fanout):
                     self._queue.put_nowait(chunk)
             finally:
+                self.running = False
                 slots.release()
         except Exception as exc:  # noqa: BLE001 - handed to the request's handler
             self._queue.put_nowait(exc)
@@ -403,7 +406,12 @@ class Upstream:
         return gen
 
     def running(self) -> int:
-        return len(self._generations)
+        """Generations holding a slot."""
+        return sum(g.running for g in self._generations)
+
+    def waiting(self) -> int:
+        """Generations waiting for a slot."""
+        return len(self._generations) - self.running()
 
     def stop_connecting(self) -> None:
         """On the event loop, at shutdown: no reconnection after a redeploy from here."""

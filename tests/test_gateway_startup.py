@@ -127,10 +127,26 @@ def test_a_request_queued_for_a_generation_slot_past_timeout_s_is_a_503_not_a_lo
                                             stream=True, extra_body={"ignore_eos": True})
             chunks = iter(stream)
             next(chunks)  # the first generation holds the only slot now
+            gauges = []  # (running, waiting) while the second request waits: vLLM's two gauges
+
+            def scrape() -> None:
+                for _ in range(20):
+                    text = httpx.get(f"http://{gw.address}/metrics", timeout=10).text
+                    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                              if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))}
+                    gauges.append((values.get("vllm:num_requests_running"), values.get("vllm:num_requests_waiting")))
+                    if gauges[-1] == (1.0, 1.0):
+                        return
+                    time.sleep(0.1)
+
+            scraper = threading.Thread(target=scrape)
             start = time.monotonic()
+            scraper.start()
             with pytest.raises(openai.APIStatusError) as busy:
                 oai.completions.create(model="", prompt="Hi", max_tokens=2)
             waited = time.monotonic() - start
+            scraper.join()
+            assert gauges[-1] == (1.0, 1.0), gauges  # it was counted as running before
             assert busy.value.status_code == 503 and busy.value.body["code"] == "server_busy", busy.value.body
             assert 2.5 <= waited < 10, waited
             rest = list(chunks)
