@@ -164,7 +164,7 @@ class Generation:
     """One request's generation: a task on the gateway's loop; its chunks arrive through `next()`."""
 
     on_stale: Callable[[IncompatibleModels], None] | None = None  # every verifier serves another model now
-    running: bool = False  # holds a generation slot (vllm:num_requests_running; before: _waiting)
+    running: bool = False  # holds a generation slot: vllm:num_requests_running, else _waiting
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     _task: asyncio.Task | None = None
 
