@@ -325,7 +325,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_token
         params = SamplingParams(**{k: v for k, v in values.items() if v is not None})
     except InvalidArgument as exc:
         name = fields.get(exc.field, exc.field)
-        raise bad_request(name, f"{name}: {str(exc).split(': ', 1)[1]}") from None
+        raise bad_request(name, f"{name}: {exc.detail}") from None
     if vocab_size is not None:
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias]),
                           ("allowed_token_ids", params.allowed_token_ids or ())):

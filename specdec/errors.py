@@ -13,7 +13,7 @@ class InvalidArgument(SpecDecError, ValueError):
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
-        self.field = field
+        self.field, self.detail = field, message  # apart, for callers that name the field their own way
 
 
 class OutOfRange(SpecDecError):

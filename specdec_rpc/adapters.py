@@ -130,7 +130,7 @@ def _sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         return SamplingParams(stop_token_ids=tuple(msg.stop_token_ids), logit_bias=dict(msg.logit_bias),
                               allowed_token_ids=tuple(msg.allowed_token_ids) or None, **kwargs)
     except InvalidArgument as exc:  # the message's field, as the services' other sampling checks name it
-        raise InvalidArgument(f"sampling.{exc.field}", str(exc).split(": ", 1)[1]) from None
+        raise InvalidArgument(f"sampling.{exc.field}", exc.detail) from None
 
 
 # ---- proposals ----------------------------------------------------------------------------
