@@ -352,18 +352,21 @@ def proposal_format(args: argparse.Namespace):
                           **({"top_n": args.top_n} if args.top_n is not None else {}))
 
 
+def drafting_flags(args: argparse.Namespace) -> list[str]:
+    """The drafting flags given (generate's and the gateway's): refused where nothing drafts."""
+    return [flag for flag, given in (("--num-speculative-tokens", args.num_speculative_tokens != "auto"),
+                                     ("--fanout", args.fanout), ("--proposal", args.proposal),
+                                     ("--proposal-dtype", args.proposal_dtype), ("--top-n", args.top_n))
+            if given]
+
+
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _check_serving_files(args)  # a missing --auth-token-file named no flag
     if not args.target_only and not args.drafter:
         parser.error("argument --drafter: required unless --target-only")
     # Flags that would change nothing are refused, as bench's are, rather than silently ignored.
-    if args.target_only:
-        drafting = [flag for flag, given in (("--num-speculative-tokens", args.num_speculative_tokens != "auto"),
-                                             ("--fanout", args.fanout), ("--proposal", args.proposal),
-                                             ("--proposal-dtype", args.proposal_dtype), ("--top-n", args.top_n))
-                    if given]
-        if drafting:
-            parser.error(f"{', '.join(drafting)}: drafting flags, and --target-only drafts nothing")
+    if args.target_only and (drafting := drafting_flags(args)):
+        parser.error(f"{', '.join(drafting)}: drafting flags, and --target-only drafts nothing")
     if args.acceptance_method != "typical" and (args.posterior_threshold, args.posterior_alpha) != (None, None):
         parser.error("--posterior-threshold and --posterior-alpha go with --acceptance-method typical")
     if args.proposal == "ids" and args.temperature > 0 and args.acceptance_method == "rejection":

@@ -110,16 +110,14 @@ def _http_health(url: str, timeout_s: float, ca: str | None = None) -> int:
 def gateway_command(args: argparse.Namespace) -> int:
     import logging
 
-    drafting = (args.fanout or args.num_speculative_tokens != "auto" or args.proposal or args.proposal_dtype
-                or args.top_n)
-    if not args.drafter and drafting:  # before the imports below (torch): a flag mistake is told at once
-        raise ValueError("--num-speculative-tokens, --fanout and the --proposal flags need a --drafter (without one "
-                         "the gateway decodes target-only)")
+    from cli import drafting_flags, proposal_format
+
+    if not args.drafter and (drafting := drafting_flags(args)):  # before the imports below (torch): told at once
+        raise ValueError(f"{', '.join(drafting)}: drafting flags need a --drafter (without one the gateway decodes "
+                         "target-only)")
     from gateway import GatewayConfig, UpstreamConfig
     from gateway.server import serve
     from specdec_rpc.ops import read_token
-
-    from cli import proposal_format
     logging.basicConfig(level=args.log_level.upper(),
                         format="ts=%(asctime)s role=gateway level=%(levelname)s logger=%(name)s %(message)s")
     upstream = UpstreamConfig(

@@ -193,10 +193,10 @@ class SpeculativeClient:
                     "pass the verifier's tokenizer"
                 )
             gamma = self.num_speculative_tokens
-            if gamma != AUTO and self.drafter_info is not None and self.effective_gamma(gamma) < gamma:
+            if gamma != AUTO and self.drafter_info is not None and (capped := self.effective_gamma(gamma)) < gamma:
                 log.warning("num_speculative_tokens %d is past the services' max_draft_tokens (drafter %d, verifier "
                             "%d): rounds draft at most %d", gamma, self.drafter_info.max_draft_tokens,
-                            self.verifier_info.max_draft_tokens, self.effective_gamma(gamma))
+                            self.verifier_info.max_draft_tokens, capped)
         except BaseException:
             self.close()
             raise
