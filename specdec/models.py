@@ -261,6 +261,11 @@ def load_tokenizer(spec: ModelSpec):
     # a folder of tokenizer files alone (no config.json) is a tokenizer too: random-weight models
     # are built on one
     path, kwargs = _resolve(spec, TOKENIZER_FILES)
+    if Path(path).is_dir() and "gguf_file" not in kwargs and not any(
+            (Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        # config.json alone: transformers' own error asked to install sentencepiece or tiktoken
+        raise ValueError(f"model folder {path!r} has no tokenizer files (tokenizer.json, tokenizer_config.json): "
+                         "save the model's tokenizer beside its weights (tokenizer.save_pretrained)")
     return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
@@ -437,11 +442,7 @@ class CausalLM:
         # since torch's intra-op thread count is per OS thread.
         self.threads = torch.get_num_threads()
         path, kwargs = _resolve(spec)
-        if Path(path).is_dir() and "gguf_file" not in kwargs and not any(
-                (Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-            # Before the weights load: transformers' own error, after it, asked to install sentencepiece
-            raise ValueError(f"model folder {path!r} has no tokenizer files (tokenizer.json, tokenizer_config.json): "
-                             "save the model's tokenizer beside its weights (tokenizer.save_pretrained)")
+        self.tokenizer = load_tokenizer(spec)  # before the weights: a folder without one is told at once
         load_dtype = torch.float32 if spec.quantize == "int8" else DTYPES[spec.dtype]
 
         def load():
@@ -493,7 +494,6 @@ class CausalLM:
         self.max_context = _max_context(self.config, spec)
         self.slots = SlotForward(self.model, self.max_context) if slot_supported(self.model) else None
         self.prefill_slots = _on_own_thread(lambda: self._prefill_forward(spec, unpacked))
-        self.tokenizer = load_tokenizer(spec)
         self.tokenizer_fingerprint = tokenizer_fingerprint(self.tokenizer)
         self.fast_path = self._fast_path_wanted(spec)
         self.pool: SlotPool | None = None
