@@ -277,6 +277,34 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
                           "missing or invalid bearer token (metadata 'authorization: Bearer <token>')")
 
 
+class _Undecodable:
+    """A request whose bytes are no message of its method's type: the handler answers it with
+    INVALID_ARGUMENT (gRPC's own answer to a deserializer that raises is INTERNAL, "Exception
+    deserializing request!", which tells a client author nothing and reads as a server bug)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _lenient(deserializer: Callable[[bytes], object] | None) -> Callable[[bytes], object] | None:
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> object:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, or whatever the protobuf runtime raises
+            return _Undecodable(exc)
+
+    return parse
+
+
+def _undecodable_details(method: str, request: _Undecodable) -> str:
+    return f"the {method} request is no valid protobuf message of its type ({request.error or 'cannot parse'})"
+
+
 class ObservingInterceptor(grpc.ServerInterceptor):
     """Per call: latency and status metrics, one key=value log line, the in-flight count
     draining waits on; while draining, new calls are refused with UNAVAILABLE."""
@@ -336,6 +364,8 @@ class ObservingInterceptor(grpc.ServerInterceptor):
             code = grpc.StatusCode.OK
             reply = None
             try:
+                if isinstance(request, _Undecodable):
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable_details(name, request))
                 reply = inner(request, context)
                 code = context.code() or grpc.StatusCode.OK
                 return reply
@@ -345,7 +375,7 @@ class ObservingInterceptor(grpc.ServerInterceptor):
             finally:
                 elapsed = time.perf_counter() - t0
                 latency.observe(elapsed)
-                if drafts is not None:
+                if drafts is not None and not isinstance(request, _Undecodable):
                     drafts.observe(request.num_draft_tokens if name == "Draft" else len(request.draft_token_ids))
                 self._observe(service, name, code, elapsed, request, reply, context)
                 with self._idle:
@@ -353,7 +383,7 @@ class ObservingInterceptor(grpc.ServerInterceptor):
                     if self.draining:  # only drain waits on it (wait_idle checks the count under this lock)
                         self._idle.notify_all()
 
-        return grpc.unary_unary_rpc_method_handler(behavior, request_deserializer=handler.request_deserializer,
+        return grpc.unary_unary_rpc_method_handler(behavior, request_deserializer=_lenient(handler.request_deserializer),
                                                    response_serializer=handler.response_serializer)
 
     def _wrap_stream(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -371,6 +401,10 @@ class ObservingInterceptor(grpc.ServerInterceptor):
                 nonlocal owed
                 for message in request_iterator:
                     if self.draining:
+                        return
+                    if isinstance(message, _Undecodable):  # the stream ends there, with this status
+                        context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+                        context.set_details(_undecodable_details(name, message))
                         return
                     with self._idle:  # owed changes on the reader's thread and on this one
                         self._inflight += 1
@@ -394,6 +428,7 @@ class ObservingInterceptor(grpc.ServerInterceptor):
                 for reply in inner(messages(), context):
                     settle(1)
                     yield reply
+                code = context.code() or grpc.StatusCode.OK
             except BaseException:
                 code = context.code() or grpc.StatusCode.CANCELLED
                 raise
@@ -403,7 +438,8 @@ class ObservingInterceptor(grpc.ServerInterceptor):
                     self._streams.discard(context)
                 self._observe(service, name, code, time.perf_counter() - t0, None, None, context)
 
-        return grpc.stream_stream_rpc_method_handler(behavior, request_deserializer=handler.request_deserializer,
+        return grpc.stream_stream_rpc_method_handler(behavior,
+                                                     request_deserializer=_lenient(handler.request_deserializer),
                                                      response_serializer=handler.response_serializer)
 
     def cancel_streams(self) -> None:

@@ -212,7 +212,9 @@ class Fuzzer:
 def test_fuzzed_malformed_requests_get_expected_codes_and_do_not_disturb_a_generation():
     """>= 1,000 malformed requests (fixed seeds) from two threads while a well-formed greedy
     generation runs: every error is one of EXPECTED_ERRORS (never INTERNAL / UNKNOWN), the
-    servers stay up, and the generation is token-identical to the same one run alone."""
+    servers stay up, and the generation is token-identical to the same one run alone. Bytes
+    that are no protobuf at all get INVALID_ARGUMENT naming the method, on unary calls and as
+    a stream's status."""
     verifier, drafter = start_services([("verifier", ARGS), ("drafter", ARGS)], threads=1)
     try:
         channels = {"verifier": grpc.insecure_channel(verifier.address),
@@ -261,6 +263,21 @@ def test_fuzzed_malformed_requests_get_expected_codes_and_do_not_disturb_a_gener
         print(f"fuzz replies: {dict(codes)}")
         assert sum(codes.values()) >= 1000
         assert not unexpected, unexpected[:5]
+        garbage = b"\xff\xff\xff\xff"  # a truncated varint tag: no message of any type parses it
+        identity = dict(request_serializer=None, response_deserializer=None)
+        for role, method in (("verifier", "Verify"), ("verifier", "VerifyBatch"), ("verifier", "OpenSession"),
+                             ("drafter", "Draft"), ("drafter", "CloseSession")):
+            call = channels[role].unary_unary(f"/specdec.v1.{role.capitalize()}/{method}", **identity)
+            with pytest.raises(grpc.RpcError) as err:
+                call(garbage, timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, err.value.details())
+            assert f"the {method} request is no valid protobuf message" in err.value.details()
+        stream = channels["verifier"].stream_stream("/specdec.v1.Verifier/VerifyStream", **identity)
+        replies = stream(iter([pb.VerifyBatchRequest(tag=7).SerializeToString(), garbage]), timeout=30)
+        with pytest.raises(grpc.RpcError) as err:
+            list(replies)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert "VerifyStream request is no valid protobuf message" in err.value.details()
         assert verifier.proc.poll() is None and drafter.proc.poll() is None
         for role, stub in stubs.items():  # still serving
             assert stub.GetModelInfo(pb.ModelInfoRequest(), timeout=30).role == role
