@@ -338,12 +338,18 @@ def _on_own_thread(fn):
     return out[0]
 
 
-def _eos_ids(generation_config, config) -> list[int]:
-    """The generation config's EOS ids, else the model config's; sorted, deduplicated."""
+def _eos_ids(generation_config, config, tokenizer, vocab_size: int) -> list[int]:
+    """The ids a generation stops at, as vLLM's: the tokenizer's EOS and the generation
+    config's (else the model config's), sorted, deduplicated, inside the vocabulary. A
+    config without `eos_token_id` whose tokenizer has an EOS (converted and hand-made models
+    often have one) would otherwise never stop before max_tokens."""
     eos = getattr(generation_config, "eos_token_id", None)
     if eos is None:
-        eos = config.eos_token_id
-    return sorted({int(e) for e in ([eos] if isinstance(eos, int) else (eos or []))})
+        eos = getattr(config, "eos_token_id", None)
+    ids = {int(e) for e in ([eos] if isinstance(eos, int) else (eos or []))}
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(i for i in ids if 0 <= i < vocab_size)
 
 
 def _sliding_window(config) -> bool:
@@ -490,7 +496,7 @@ class CausalLM:
         model = self.model
         self.config = model.config
         self.device = torch.device(spec.device)
-        self.eos_token_ids = _eos_ids(self.model.generation_config, self.config)
+        self.eos_token_ids = _eos_ids(self.model.generation_config, self.config, self.tokenizer, self.vocab_size)
         self.max_context = _max_context(self.config, spec)
         self.slots = SlotForward(self.model, self.max_context) if slot_supported(self.model) else None
         self.prefill_slots = _on_own_thread(lambda: self._prefill_forward(spec, unpacked))
@@ -698,9 +704,9 @@ class TokenOnlyLM:
         except (OSError, ValueError):
             generation = None
         self.vocab_size = int(self.config.vocab_size)
-        self.eos_token_ids = _eos_ids(generation, self.config)
-        self.max_context = _max_context(self.config, spec)
         self.tokenizer = load_tokenizer(spec)
+        self.eos_token_ids = _eos_ids(generation, self.config, self.tokenizer, self.vocab_size)
+        self.max_context = _max_context(self.config, spec)
         self.tokenizer_fingerprint = tokenizer_fingerprint(self.tokenizer)
 
     @staticmethod

@@ -162,3 +162,23 @@ def test_a_drafter_with_a_smaller_lm_head_of_the_same_tokenizer_speculates_exact
         first = round_of[next(i for i, t in enumerate(r.token_ids) if t >= VOCAB)]
         assert len(r.gamma_per_round) == round_of[-1] and any(r.gamma_per_round[:first])
         assert r.gamma_per_round[first:] == [0] * (len(r.gamma_per_round) - first)  # no drafts after it
+
+
+def test_a_model_config_without_eos_stops_at_its_tokenizers_eos(tmp_path):
+    """A config without `eos_token_id` (converted and hand-made models often lack one) beside
+    a tokenizer that has an EOS: vLLM stops at the tokenizer's EOS; the services served no EOS
+    at all and such a model ran to max_tokens through every EOS it sampled."""
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    path = _save(config, tmp_path / "no-eos", 0)
+    eos = load_tokenizer(ModelSpec()).eos_token_id
+    assert eos is not None
+    args = ["--model", path, "--dtype", "float32", "--log-level", "WARNING"]
+    with start_services([("verifier", args), ("drafter", args + ["--backend", "ngram"])], threads=1) as (
+            verifier, drafter), SpeculativeClient(verifier.address, drafter=drafter.address) as client:
+        assert client.verifier_info.eos_token_ids == (eos,) and client.drafter_info.eos_token_ids == (eos,)
+        # The EOS made the greedy choice at every position: the generation ends at the first one.
+        forced = SamplingParams(temperature=0.0, max_tokens=8, logit_bias={eos: 100.0})
+        out = client.generate(list(range(1000, 1010)), forced)
+    assert out.token_ids == [eos] and out.finish_reason == "stop"
