@@ -203,13 +203,19 @@ def ensure_embedded_model(root: Path | None = None) -> Path:
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         plain.load_state_dict(loaded.state_dict())
         plain.generation_config = loaded.generation_config
+        # Under the lock no other process converts: a .convert-* folder is a killed run's (540 MB).
+        for stale in root.glob(".convert-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / _CONVERTED_MARKER).write_text(json.dumps({"source": _WHEEL_REQ, "gguf": gguf.name}))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
+        try:
+            plain.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            (tmp / _CONVERTED_MARKER).write_text(json.dumps({"source": _WHEEL_REQ, "gguf": gguf.name}))
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already once it has become the target
         return target
 
 

@@ -298,3 +298,25 @@ def test_bad_environment_value_is_refused_naming_the_variable(monkeypatch, capsy
     monkeypatch.setenv("SPECDEC_VERIFIER_DTYPE", "float8")
     assert main(["verifier"]) == 2  # before any model is loaded
     assert "$SPECDEC_VERIFIER_DTYPE='float8' is not one of float32, float16, bfloat16" in capsys.readouterr().err
+
+
+def test_the_first_start_converts_the_embedded_gguf_and_clears_a_killed_conversion(tmp_path):
+    """What a fresh machine's first start does (this host's cache is converted already, so
+    nothing else runs it): the pinned GGUF becomes a safetensors folder with the same
+    tokenizer. A `.convert-*` folder left by a start killed mid-conversion (540 MB) is
+    removed by the next conversion, which holds the lock no other one can."""
+    from specdec.models import (EMBEDDED_NAME, ModelSpec, _embedded_gguf, cache_dir, ensure_embedded_model,
+                                load_tokenizer, tokenizer_fingerprint)
+
+    (tmp_path / _embedded_gguf(cache_dir()).name).symlink_to(_embedded_gguf(cache_dir()))
+    stale = tmp_path / ".convert-killed"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half written")
+    target = ensure_embedded_model(tmp_path)
+    assert target == tmp_path / EMBEDDED_NAME and (target / "model.safetensors").is_file()
+    assert not list(tmp_path.glob(".convert-*"))
+    converted = tokenizer_fingerprint(load_tokenizer(ModelSpec(model=str(target))))
+    assert converted == tokenizer_fingerprint(load_tokenizer(ModelSpec()))
+    config = json.loads((target / "config.json").read_text())
+    assert config["num_hidden_layers"] == 30 and config["vocab_size"] == 49152
+    assert ensure_embedded_model(tmp_path) == target  # converted once: the marker short-cuts the second call
