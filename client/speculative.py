@@ -72,6 +72,22 @@ _END = object()  # a generation's last item on its way to the caller
 _CLOSE_WAIT_S = 10.0  # how long a caller that stops reading waits for the generation's sessions to close
 
 
+class _ClientLoop(asyncio.SelectorEventLoop):
+    """The client's own event loop. gRPC's aio layer has one completion queue per process,
+    whose events any bound loop may dispatch: the last events of a call cancelled at close()
+    (a VerifyStream's pending read and status) can reach this loop after it has closed, and
+    asyncio then prints "RuntimeError: Event loop is closed" from another client's loop. No
+    one awaits those events; they are dropped."""
+
+    def call_soon_threadsafe(self, callback, *args, context=None):
+        try:
+            return super().call_soon_threadsafe(callback, *args, context=context)
+        except RuntimeError:
+            if self.is_closed():
+                return None
+            raise
+
+
 class NoServerAvailable(ConnectionError):
     """Every server of a pool failed its last try and none is due for another within the wait."""
 
@@ -161,7 +177,7 @@ class SpeculativeClient:
         self._costs: dict[str, ServingCosts] = {}  # per verifier address: its load model
         self._costs_lock = threading.Lock()
         self._batchers: dict[str, VerifyBatcher] | None = {} if batch_verify else None  # per verifier address
-        self._loop = asyncio.new_event_loop()
+        self._loop = _ClientLoop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="specdec-client", daemon=True)
         self._thread.start()
 

@@ -7,7 +7,9 @@ import asyncio
 import random
 import threading
 
-from client.speculative import _lcp, _Mailbox
+import pytest
+
+from client.speculative import _ClientLoop, _lcp, _Mailbox
 
 
 def _lcp_reference(cached: list[int], committed: list[int], limit: int) -> int:
@@ -106,3 +108,22 @@ def test_a_stream_that_breaks_internal_after_answering_fails_its_rounds_as_unava
 
     exc = asyncio.run(run())
     assert exc.code() == grpc.StatusCode.UNAVAILABLE and "INTERNAL: Internal error from Core" in exc.details()
+
+
+def test_a_closed_client_loop_drops_late_grpc_events_instead_of_raising():
+    """gRPC's aio layer dispatches every loop's completion events from whichever bound loop
+    polls: a closed client's cancelled VerifyStream could still get its last events, and the
+    other client's loop printed "RuntimeError: Event loop is closed" (seen in 1 of 4 runs of
+    8 clients that each abandoned a stream). A closed client loop drops them; an open one runs
+    them, and a plain loop still raises."""
+    loop = _ClientLoop()
+    ran: list[int] = []
+    loop.call_soon_threadsafe(ran.append, 1)
+    loop.run_until_complete(asyncio.sleep(0))
+    assert ran == [1]
+    loop.close()
+    assert loop.call_soon_threadsafe(ran.append, 2) is None and ran == [1]
+    plain = asyncio.new_event_loop()
+    plain.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        plain.call_soon_threadsafe(ran.append, 3)
