@@ -51,7 +51,7 @@ from specdec_rpc.adapters import (
     proposal_format_to_pb,
     sampling_to_pb,
 )
-from specdec_rpc.ops import TLSFiles, bearer_metadata, open_aio_channel, open_channel
+from specdec_rpc.ops import RECONNECT_BACKOFF_MAX_S, TLSFiles, bearer_metadata, open_aio_channel, open_channel
 
 __all__ = ["ClientClosed", "GenerationResult", "IncompatibleModels", "SpeculativeClient", "StreamChunk",
            "check_compatible"]
@@ -974,7 +974,7 @@ class SpeculativeClient:
                     continue
                 refused: list[grpc.RpcError] = []
                 errors = await self._open_session(self.verifiers, link, _VERIFIER_LOST, self._check_verifier,
-                                                  refused)
+                                                  refused, patient=last_try)
                 if link.session_id is not None:
                     break
                 if refused:
@@ -1028,13 +1028,15 @@ class SpeculativeClient:
             log.info("verifier session=%s on %s; re-prefilling", link.session_id, link.server.address)
 
     async def _open_session(self, pool: ServerPool, link: "_Link", lost: frozenset, check,
-                            refused: list[grpc.RpcError] | None = None) -> list[grpc.RpcError]:
+                            refused: list[grpc.RpcError] | None = None, patient: bool = False) -> list[grpc.RpcError]:
         """Open a session for `link` on the least-loaded ready server of `pool`, trying each
         at most once. A server not known to fit since its last failure is asked for its model
         first and `check`ed (one that fails is left out of the pool for good). Returns the
         connection errors met; link.session_id stays None if no server took the session. With
         `refused`, a server that answers RESOURCE_EXHAUSTED (no session idle to evict) is full
-        for now, not down: its error goes there and the rest of the pool is tried."""
+        for now, not down: its error goes there and the rest of the pool is tried. `patient` (a
+        caller's last try): a down server's first call waits for its channel's next reconnect
+        attempt instead of failing at once in the channel's backoff."""
         short = min(self.timeout_s, 5.0)
         tried: list[Server] = []
         errors: list[grpc.RpcError] = []
@@ -1048,7 +1050,11 @@ class SpeculativeClient:
             info = server.info
             try:
                 if info is None:
-                    info = model_info_from_pb(await server.astub.GetModelInfo(pb.ModelInfoRequest(), timeout=short))
+                    # A server restarted since its channel's last reconnect attempt is found at the
+                    # next one (within RECONNECT_BACKOFF_MAX_S); till then calls fail UNAVAILABLE.
+                    info = model_info_from_pb(await server.astub.GetModelInfo(
+                        pb.ModelInfoRequest(), timeout=min(short, RECONNECT_BACKOFF_MAX_S + 1.0) if patient else short,
+                        wait_for_ready=patient or None))
                     check(info)
                 opening = asyncio.ensure_future(server.astub.OpenSession(pb.OpenSessionRequest(), timeout=short))
                 try:
@@ -1079,7 +1085,8 @@ class SpeculativeClient:
                 log.info("%s %s unavailable code=%s; trying the rest of the pool", pool.role, server.address,
                          exc.code().name)
                 pool.failed(server)
-                errors.append(exc)
+                if not (patient and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED):
+                    errors.append(exc)  # (a patient call's timeout says less than the refusal before it)
                 continue
             except IncompatibleModels as exc:
                 pool.release(server)

@@ -51,8 +51,9 @@ CLIENT_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2_000),
+    ("grpc.max_reconnect_backoff_ms", 2_000),  # RECONNECT_BACKOFF_MAX_S
 ]
+RECONNECT_BACKOFF_MAX_S = 2.0  # with gRPC's jitter (±20%) a reconnect attempt comes within 2.4 s
 # The server must accept those pings (by default it answers pings more often than every
 # 5 min on an idle connection with GOAWAY "too_many_pings"), and pings its clients too.
 SERVER_OPTIONS = [

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import concurrent.futures
 import socket
 import threading
@@ -24,6 +25,7 @@ from specdec.sampling import SamplingParams
 from specdec.serving import ModelInfo
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
+from specdec_rpc.ops import RECONNECT_BACKOFF_MAX_S
 from tests.conftest import stream_concurrently, wait_for
 
 ARGS = ["--max-draft-tokens", "8", "--log-level", "WARNING"]
@@ -444,6 +446,84 @@ def test_a_client_whose_every_verifier_is_down_at_start_raises_no_server_availab
                                                 "the first error: UNAVAILABLE") as caught:
         SpeculativeClient(down, timeout_s=5.0)
     assert isinstance(caught.value, ConnectionError) and isinstance(caught.value.__cause__, grpc.RpcError)
+
+
+class _Switch:
+    """A loopback port in front of a real verifier that goes down (refusing connections and
+    cutting the open ones) and comes back at once: a restart without the model load, so the
+    test controls when in a recovery window the verifier is back."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.rsplit(":", 1)
+        self.upstream, self.port = (host, int(port)), _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self._listener: socket.socket | None = None
+        self._open: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    def up(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(16)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def down(self) -> None:
+        self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() below
+        self._listener.close()
+        with self._lock:
+            cut, self._open = self._open, []
+        for s in cut:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                near, _ = listener.accept()
+            except OSError:
+                return
+            far = socket.create_connection(self.upstream)
+            with self._lock:
+                self._open += [near, far]
+            for src, dst in ((near, far), (far, near)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_RDWR)
+
+
+def test_a_verifier_back_just_before_the_recovery_deadline_is_found_by_the_last_try(verifier_proc):
+    """The verifier is down when a generation starts and back 0.4 s before its recovery
+    deadline. The pool's backoff puts its next try past the deadline, so the last try comes at
+    the deadline; the channel's own reconnect backoff (up to 2 s) had failed that try at once
+    (UNAVAILABLE, the gateway's 503) although the verifier had been back for a while. It now
+    waits for the channel's next reconnect attempt, and the generation completes unchanged."""
+    window = 4.0
+    switch = _Switch(verifier_proc.address)
+    switch.up()
+    try:
+        with SpeculativeClient(switch.address, recovery_timeout_s=window) as client:
+            expected = client.generate(PROMPTS[0], GREEDY, target_only=True).token_ids
+            switch.down()
+            start = time.monotonic()
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                late = pool.submit(client.generate, PROMPTS[0], GREEDY, target_only=True)
+                time.sleep(window - 0.4)
+                switch.up()
+                result = late.result(timeout=60)
+            assert result.token_ids == expected
+            assert time.monotonic() - start < window + RECONNECT_BACKOFF_MAX_S + 3.0
+    finally:
+        with contextlib.suppress(OSError, AttributeError):
+            switch.down()
 
 
 @pytest.mark.slow
