@@ -60,7 +60,8 @@ def run_demo(args: argparse.Namespace) -> int:
             base_tps = totals["target"][0] / totals["target"][1]
             print(f"overall: acceptance {accepted / max(proposed, 1):.3f}; speculative {spec_tps:.1f} tok/s, "
                   f"target-only {base_tps:.1f} tok/s, speedup {spec_tps / base_tps:.2f}x")
-        services.append(start_gateway(verifier, drafter, ["--num-speculative-tokens", str(gamma)]))
+        services.append(start_gateway(verifier, drafter,
+                                      ["--num-speculative-tokens", str(gamma), *shlex.split(args.gateway_args)]))
         _show_gateway(services[-1], args.keep_running)
     finally:
         for s in reversed(services):

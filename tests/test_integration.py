@@ -266,14 +266,20 @@ def _cli(*args, timeout=300):
 @pytest.mark.slow
 def test_the_readmes_demo_runs_both_services_and_the_gateway_and_stops_them():
     """`specdec demo` (the README's first command), shortened: both services start, speculative
-    output equals target-only, the gateway answers, and every process is gone after it exits."""
+    output equals target-only, the gateway answers on the port --gateway-args names, and every
+    process is gone after it exits."""
     import socket
 
-    run = _cli("demo", "--prompt", "Name a colour.", "--max-tokens", "8", timeout=600)
+    with socket.socket() as s:  # a free port for the gateway
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = _cli("demo", "--prompt", "Name a colour.", "--max-tokens", "8", "--gateway-args", f"--port {port}",
+               timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "identical to target-only" in run.stdout and "speedup" in run.stdout and "it answers: '" in run.stdout
     addresses = re.search(r"drafter at (\S+), verifier at (\S+)", run.stdout).groups()
     gateway = re.search(r"gateway at http://(\S+)/v1", run.stdout).group(1)
+    assert gateway == f"127.0.0.1:{port}"
     for address in (*addresses, gateway):  # stopped: nothing listens there any more
         host, port = address.rsplit(":", 1)
         with socket.socket() as s:
