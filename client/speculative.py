@@ -53,8 +53,8 @@ from specdec_rpc.adapters import (
 )
 from specdec_rpc.ops import RECONNECT_BACKOFF_MAX_S, TLSFiles, bearer_metadata, open_aio_channel, open_channel
 
-__all__ = ["ClientClosed", "GenerationResult", "IncompatibleModels", "SpeculativeClient", "StreamChunk",
-           "check_compatible"]
+__all__ = ["ClientClosed", "GenerationResult", "IncompatibleModels", "NoServerAvailable", "SpeculativeClient",
+           "StreamChunk", "check_compatible"]
 
 log = logging.getLogger(__name__)
 
