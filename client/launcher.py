@@ -119,10 +119,6 @@ def _spawn(role: str, args: list[str] | None, host: str, port: int, threads: int
     if threads and role != "gateway":
         cmd += ["--threads", str(threads)]
     env = {**os.environ, **(env or {})}
-    # Idle OpenMP workers sleep instead of spinning, so the other service gets the cores
-    # as soon as this one finishes its step.
-    if os.environ.get("SPECDEC_OMP_PASSIVE"):
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
     env.setdefault("PYTHONUNBUFFERED", "1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     service = ServiceProcess(role=role, proc=proc, address="")
