@@ -397,7 +397,8 @@ def _add_gateway_parser(sub) -> None:
                          "(prefer $SPECDEC_GATEWAY_API_KEY: a flag shows in ps)")
     gw.add_argument("--served-model-name", nargs="+", default=None,
                     help="model names clients may ask for (the first is reported); default: the verifier's model name "
-                         "without its runtime tag (its --model as given)")
+                         "without its runtime tag, as /v1/models lists it (a folder or hub id: --model as given; the "
+                         "default: embedded:SmolLM2-135M-Instruct)")
     gw.add_argument("--num-speculative-tokens", type=gamma_arg, default="auto",
                     help="gamma, drafts per round, or 'auto' (adaptive per round in [0, 8]; default)")
     gw.add_argument("--fanout", type=positive("--fanout", zero=True), default=0,
@@ -463,13 +464,16 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     # In a service's container its own SPECDEC_TLS_CA / _CERT / _KEY configure the healthcheck too.
     _apply_env_defaults(h, "health")
 
-    d = sub.add_parser("demo", help="start both services locally, compare speculative and target-only")
+    d = sub.add_parser("demo", help="start both services locally, compare speculative and target-only, then put "
+                                    "the OpenAI gateway in front of them")
     d.add_argument("--prompt", action="append", default=None, help="prompt (repeatable); default: built-in set")
     d.add_argument("--max-tokens", type=int, default=96)
     d.add_argument("--num-speculative-tokens", type=gamma_arg, default="auto",
                    help="gamma, or 'auto' (default: adaptive per round in [0, 8])")
     d.add_argument("--drafter-args", default="", help="extra arguments for `specdec drafter`, e.g. '--quantize int8'")
     d.add_argument("--verifier-args", default="", help="extra arguments for `specdec verifier`")
+    d.add_argument("--gateway-args", default="",
+                   help="extra arguments for `specdec gateway`, e.g. '--port 8000' (default: a free port)")
     d.add_argument("--temperature", type=float, default=0.0)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--keep-running", action="store_true",

@@ -39,7 +39,7 @@ class GenerationResult:
     # SamplingParams.prompt_logprobs (vLLM's): one per prompt token, the same entries under the
     # target's raw distribution; None for the first token, which nothing precedes.
     prompt_logprobs: list[dict | None] | None = None
-    proposal_bytes: int = 0  # proposal bytes the drafter sent, summed over rounds
+    proposal_bytes: int = 0  # the proposals' payload (probs + token_ids) the drafter sent, summed over rounds
     # Speculation cache (fanout > 0): drafts the drafter had pre-drafted during the previous
     # verify, and the rounds whose drafts all came from there (no drafter forward waited for).
     cached_draft_tokens: int = 0
