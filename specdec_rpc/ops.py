@@ -39,6 +39,7 @@ _OPEN_PREFIXES = (HEALTH_PREFIX,)
 # container, a dropped NAT entry) fails the next call at once instead of after its
 # deadline. Reconnect backoff stays short (0.2-2 s instead of gRPC's 1-120 s) so a
 # restarted drafter / verifier is picked up within about a second.
+RECONNECT_BACKOFF_MAX_S = 2.0  # with gRPC's jitter (±20%) a reconnect attempt comes within 2.4 s
 CLIENT_OPTIONS = [
     # A server that stops answering (a wedged or stopped process: the port still accepts) fails
     # its calls UNAVAILABLE ("ping timeout") ~20 s after it stopped, and the client fails over,
@@ -51,9 +52,8 @@ CLIENT_OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2_000),  # RECONNECT_BACKOFF_MAX_S
+    ("grpc.max_reconnect_backoff_ms", int(RECONNECT_BACKOFF_MAX_S * 1000)),
 ]
-RECONNECT_BACKOFF_MAX_S = 2.0  # with gRPC's jitter (±20%) a reconnect attempt comes within 2.4 s
 # The server must accept those pings (by default it answers pings more often than every
 # 5 min on an idle connection with GOAWAY "too_many_pings"), and pings its clients too.
 SERVER_OPTIONS = [
