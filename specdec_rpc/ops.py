@@ -236,10 +236,13 @@ def check_health(address: str, service: str = "", *, tls: TLSFiles = TLSFiles(),
 
 
 def _rejecting(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that fails every call with `code`."""
+    """A handler of the same kind as `handler` that fails every call with `code`, whatever its
+    bytes: a caller without a token, or a call to a draining server, learns that first."""
 
     def reject(request, context):
         context.abort(code, details)
+
+    reject.rejects = True  # the observer's INVALID_ARGUMENT for undecodable bytes yields to this
 
     if handler.unary_unary:
         make = grpc.unary_unary_rpc_method_handler
@@ -249,7 +252,7 @@ def _rejecting(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: s
         make = grpc.stream_unary_rpc_method_handler
     else:
         make = grpc.stream_stream_rpc_method_handler
-    return make(reject, request_deserializer=handler.request_deserializer,
+    return make(reject, request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer)
 
 
@@ -353,6 +356,7 @@ class ObservingInterceptor(grpc.ServerInterceptor):
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         service, _, name = method.lstrip("/").rpartition("/")
         inner = handler.unary_unary
+        undecodable_first = not getattr(inner, "rejects", False)
         latency = self.latency.labels(service, name)
         drafts = self.drafts.labels(name) if name in ("Draft", "Verify") else None
 
@@ -365,7 +369,7 @@ class ObservingInterceptor(grpc.ServerInterceptor):
             code = grpc.StatusCode.OK
             reply = None
             try:
-                if isinstance(request, _Undecodable):
+                if undecodable_first and isinstance(request, _Undecodable):
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable_details(name, request))
                 reply = inner(request, context)
                 code = context.code() or grpc.StatusCode.OK

@@ -151,6 +151,10 @@ def test_sigterm_drains_finishes_the_call_in_flight_refuses_new_ones_and_exits_i
             with pytest.raises(grpc.RpcError) as err:
                 stub.OpenSession(pb.OpenSessionRequest(), timeout=5)
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.value.details()
+            raw = ch.unary_unary("/specdec.v1.Verifier/Verify", request_serializer=None, response_deserializer=None)
+            with pytest.raises(grpc.RpcError) as err:  # bytes that are no message: the drain is still the answer
+                raw(b"\xff\xff\xff\xff", timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
             assert not long_call.done()
             reply = long_call.result()  # the round in flight completes
             assert reply.kv_length == len(prompt) and len(reply.output_token_ids) == 1

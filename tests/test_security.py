@@ -120,6 +120,9 @@ def test_missing_or_wrong_token_is_unauthenticated(certs, tls_token_verifier, to
         stub = pb_grpc.VerifierStub(ch)
         assert _code_of(lambda: stub.OpenSession(pb.OpenSessionRequest(), timeout=10)) \
             == grpc.StatusCode.UNAUTHENTICATED
+        # Bytes that are no message: the missing token is still what the caller is told.
+        raw = ch.unary_unary("/specdec.v1.Verifier/Verify", request_serializer=None, response_deserializer=None)
+        assert _code_of(lambda: raw(b"\xff\xff\xff\xff", timeout=10)) == grpc.StatusCode.UNAUTHENTICATED
         # Health stays open: probes carry no credentials.
         reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
