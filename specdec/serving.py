@@ -276,9 +276,9 @@ class ServingModel:
 
     def _configure_pool(self, config: EngineConfig, budget: int | None) -> int:
         """The model's KV slot pool (fast path), and the session cap it leaves: every session
-        and speculation branch holds a slot, and +1 because a session is admitted before the
-        least recently used one is evicted to make room. Steps are as wide as a verify of the
-        longest draft plus a catch-up token."""
+        and speculation branch holds a slot, and +1 because a session takes its slot before the
+        least recently used one is evicted to make room (the store admits one at a time).
+        Steps are as wide as a verify of the longest draft plus a catch-up token."""
         reserved = config.speculation_slots + 1
         slots = self.lm.configure_pool(config.max_sessions + reserved, max_batch=config.max_batch_size,
                                        max_width=config.max_draft_tokens + 2, budget_bytes=budget)

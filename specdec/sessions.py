@@ -87,6 +87,10 @@ class SessionStore:
         self._sessions: dict[str, Session] = {}
         self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> why, bounded
         self._mutex = threading.Lock()
+        # One open() at a time from taking a cache to admitting it: a slot pool holds one slot
+        # beyond the session cap for the admission in progress (the victim's slot frees only
+        # once it is evicted), so two admissions at once into a full store found the pool empty.
+        self._admission = threading.Lock()
 
     def __len__(self) -> int:
         with self._mutex:
@@ -106,18 +110,19 @@ class SessionStore:
 
     def open(self, owner: str | None = None) -> Session:
         self.expire_idle()
-        cache = self._new_cache()
-        need = self._cache_bytes(cache)
-        if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
-            raise ResourceExhausted(f"one session needs {need / 2**20:.0f} MiB of KV, above the whole budget "
-                                    f"({self.kv_budget_bytes / 2**20:.0f} MiB); raise --kv-budget-mb")
-        evicted: list[str] = []
-        try:
-            with self._mutex:
-                return self._admit(cache, need, owner, evicted)
-        finally:
-            for sid in evicted:
-                self._on_remove(sid)
+        with self._admission:
+            cache = self._new_cache()
+            need = self._cache_bytes(cache)
+            if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
+                raise ResourceExhausted(f"one session needs {need / 2**20:.0f} MiB of KV, above the whole budget "
+                                        f"({self.kv_budget_bytes / 2**20:.0f} MiB); raise --kv-budget-mb")
+            evicted: list[str] = []
+            try:
+                with self._mutex:
+                    return self._admit(cache, need, owner, evicted)
+            finally:
+                for sid in evicted:  # before the next admission: what else holds a victim's slot lets go
+                    self._on_remove(sid)
 
     def _admit(self, cache: Any, need: int, owner: str | None, evicted: list[str]) -> Session:
         """open() under the lock: evict idle sessions (their ids into `evicted`) until `need` fits."""

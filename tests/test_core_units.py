@@ -315,6 +315,47 @@ def test_kv_budget_evicts_least_recently_used_and_refuses_oversized_sessions():
         tiny.open()
 
 
+def test_concurrent_opens_into_a_full_store_each_evict_an_idle_session_from_a_pool_of_cap_plus_one():
+    """A slot pool holds max_sessions + 1 slots (the fast path's): a slot frees when its last
+    reference dies, as SlotPool's do. With the store full of idle sessions, 4 opens at once must
+    each evict one and be admitted; each takes its slot a moment before it is admitted, which
+    is the window where another open found the pool empty."""
+    import weakref
+
+    free = [0, 1, 2, 3]  # max_sessions 3, + 1
+
+    class Slot:
+        pass
+
+    def acquire():
+        if not free:
+            raise ResourceExhausted("all KV slots of the pool are in use")
+        slot = Slot()
+        weakref.finalize(slot, free.append, free.pop(0))
+        time.sleep(0.05)  # the window between taking a slot and admitting the session
+        return slot
+
+    store = SessionStore(acquire, lambda c, n: None, max_sessions=3, evict_after_idle_s=0.0)
+    old = [store.open() for _ in range(3)]
+    del old
+    results: list = []
+    threads = [threading.Thread(target=lambda: results.append(_try(store.open))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert [type(r).__name__ for r in results] == ["Session"] * 4, results
+    results.clear()  # the fourth eviction's victim was one of these: its slot frees with it
+    assert len(store) == 3 and store.evictions == 4 and len(free) == 1
+
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - the test reports what each thread got
+        return exc
+
+
 def test_batched_counter_draws_equal_per_row_draws_and_are_uniform():
     """The verifier draws a whole step at once: counter_uniforms over [B] seeds and [B, K + 1]
     positions. Each row equals that request's own position_uniforms (a seed reproduces whatever
