@@ -45,27 +45,28 @@ _DTYPE_TO_PB = {"float32": pb.FLOAT32, "float16": pb.FLOAT16, "bfloat16": pb.BFL
 _DTYPE_FROM_PB = {v: k for k, v in _DTYPE_TO_PB.items()}
 
 
-def status_for(exc: SpecDecError) -> grpc.StatusCode:
-    for cls, code in STATUS_OF.items():
-        if isinstance(exc, cls):
-            return code
-    return grpc.StatusCode.INTERNAL
+def status_of(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status a call that raised `exc` ends with: core errors their own code, a ValueError
+    (a malformed value caught while converting, e.g. an enum or a proposal's bytes)
+    INVALID_ARGUMENT, anything else INTERNAL, logged."""
+    if isinstance(exc, SpecDecError):
+        code = next((c for cls, c in STATUS_OF.items() if isinstance(exc, cls)), grpc.StatusCode.INTERNAL)
+        return code, str(exc)
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    log.error("%s failed", method, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"{method} failed on the server; see its log"
 
 
 def rpc_method(method: Callable) -> Callable:
-    """Map core errors to their status code; anything else is INTERNAL, logged, never a crash."""
+    """Map errors to their status (status_of): never a crash."""
 
     @functools.wraps(method)
     def wrapper(self, request, context):
         try:
             return method(self, request, context)
-        except SpecDecError as exc:
-            context.abort(status_for(exc), str(exc))
-        except ValueError as exc:  # e.g. a malformed enum value caught while converting
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except Exception:
-            log.exception("%s failed", method.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__} failed on the server; see its log")
+        except Exception as exc:  # noqa: BLE001 - every error becomes a status
+            context.abort(*status_of(exc, method.__name__))
 
     return wrapper
 

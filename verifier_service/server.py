@@ -12,7 +12,7 @@ from specdec.errors import SpecDecError
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
 from specdec_rpc.adapters import (
-    SessionMethods, load_to_pb, proposal_from_pb, rpc_method, run_until_signal, sampling_from_pb, serve, status_for,
+    SessionMethods, load_to_pb, proposal_from_pb, rpc_method, run_until_signal, sampling_from_pb, serve, status_of,
 )
 from specdec_rpc.ops import caller_owner
 from verifier_service.engine import TokenLogprob, VerifierEngine, VerifyCall, VerifyOut
@@ -135,7 +135,7 @@ def _batch_response(outs: list[VerifyOut | Exception]) -> pb.VerifyBatchResponse
         if isinstance(out, VerifyOut):
             results.append(pb.VerifyResult(code=grpc.StatusCode.OK.value[0], response=_response(out)))
         else:
-            code, message = _status(out)
+            code, message = status_of(out, "Verify")  # as a unary Verify would end
             results.append(pb.VerifyResult(code=code.value[0], message=message))
     return pb.VerifyBatchResponse(results=results)
 
@@ -157,16 +157,6 @@ def _response(out: VerifyOut) -> pb.VerifyResponse:
 def _token_logprobs(entries: list[TokenLogprob] | None) -> list[pb.TokenLogprobs]:
     return [pb.TokenLogprobs(logprob=lp.logprob, rank=lp.rank, top_token_ids=lp.top_token_ids,
                              top_logprobs=lp.top_logprobs) for lp in entries or []]
-
-
-def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
-    """The status a unary Verify would have ended with (rpc_method's mapping)."""
-    if isinstance(exc, SpecDecError):
-        return status_for(exc), str(exc)
-    if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    log.error("VerifyBatch entry failed", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, "Verify failed on the server; see its log"
 
 
 def start(engine: VerifierEngine, host: str = "127.0.0.1", port: int = 0, max_streams: int = DEFAULT_MAX_STREAMS,
