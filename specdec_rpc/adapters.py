@@ -94,11 +94,6 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
     return msg
 
 
-# Every round of a session carries the same SamplingParams message; building and validating
-# the dataclass cost more than the rest of a Verify's parsing (profiled at concurrency 32).
-# SamplingParams is frozen, so equal wire bytes can share one object. Bounded: cleared when full.
-_SAMPLING_MEMO: dict[bytes, SamplingParams] = {}
-_SAMPLING_MEMO_SIZE = 4096
 # Its keys are the messages: 4,096 of a million stop ids each held the verifier's memory (45 MB a
 # call, refused calls included). Messages past this size are not remembered.
 _SAMPLING_MEMO_KEY_BYTES = 1024
@@ -109,13 +104,15 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     key = msg.SerializeToString(deterministic=True)
     if len(key) > _SAMPLING_MEMO_KEY_BYTES:  # long id lists: built per call, never kept
         return _sampling_from_pb(msg)
-    params = _SAMPLING_MEMO.get(key)
-    if params is None:
-        params = _sampling_from_pb(msg)  # raises on invalid values: those are never stored
-        if len(_SAMPLING_MEMO) >= _SAMPLING_MEMO_SIZE:
-            _SAMPLING_MEMO.clear()
-        _SAMPLING_MEMO[key] = params
-    return params
+    return _remembered_sampling(key)
+
+
+# Every round of a session carries the same SamplingParams message; building and validating
+# the dataclass cost more than the rest of a Verify's parsing (profiled at concurrency 32).
+# SamplingParams is frozen, so equal wire bytes share one object (a raise is never cached).
+@functools.lru_cache(maxsize=4096)
+def _remembered_sampling(key: bytes) -> SamplingParams:
+    return _sampling_from_pb(pb.SamplingParams.FromString(key))
 
 
 def _sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:

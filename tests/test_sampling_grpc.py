@@ -70,10 +70,10 @@ def test_one_params_object_per_sampling_message_and_rejections_are_never_remembe
     # (4,096 calls of a million stop ids each grew a verifier by gigabytes).
     from specdec_rpc import adapters
 
-    before = len(adapters._SAMPLING_MEMO)
+    before = adapters._remembered_sampling.cache_info().currsize
     long = pb.SamplingParams(stop_token_ids=range(1000))
     assert sampling_from_pb(long) == sampling_from_pb(long) and sampling_from_pb(long) is not sampling_from_pb(long)
-    assert len(adapters._SAMPLING_MEMO) == before
+    assert adapters._remembered_sampling.cache_info().currsize == before
 
 
 def test_a_tiny_positive_temperature_is_raised_to_vllms_floor_on_both_services(stubs):
