@@ -709,7 +709,7 @@ class SpeculativeClient:
         """Once per generation, at its end (close() ends running generations by cancelling them)."""
         gen.counted_on.end()
         if self.drafters is not None:
-            if gen.drafter.prefill is not None:  # let it land before the session closes
+            if gen.drafter.prefill is not None:  # of no use now; the session closes next
                 gen.drafter.prefill[0].cancel()
                 gen.drafter.prefill = None
             self._end_drafter(gen.drafter)

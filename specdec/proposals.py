@@ -79,7 +79,8 @@ def _from_bytes(data: bytes, dtype: str, shape: tuple[int, ...], field: str) -> 
 class ProposalBuilder:
     """Turns the drafter's processed distribution at each position into (token, wire row).
 
-    Usage per draft position: `token = builder.sample(probs, u, argmax)`, then `builder.build()`.
+    Usage per draft position: `token = builder.sample(probs, u, argmax)` (or `propose`, then
+    `commit` of the token kept); once drafted, `builder.build()`.
     """
 
     def __init__(self, fmt: ProposalFormat, vocab_size: int) -> None:
