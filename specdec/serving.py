@@ -383,13 +383,9 @@ class ServingModel:
         self.stats.add(requests=1)
         return result
 
-    def submit_many(self, payloads: list) -> list[object]:
-        """`submit` for several requests at once: every one is queued before any is waited
-        for, so they share a step. Returns per request its result or the exception it raised."""
-        return self.collect(self.queue_many(payloads))
-
     def queue_many(self, payloads: list) -> list[Future]:
-        """The first half of `submit_many`: queue, never wait (`collect` waits)."""
+        """`submit` for several requests at once (one client step of many sessions), every one
+        queued before any is waited for, so they share a step; `collect` waits."""
         self.running.touch([p.session.session_id for p in payloads if getattr(p, "session", None)], time.monotonic())
         return self.scheduler.submit_many(payloads, gathered=True)
 
