@@ -304,7 +304,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_proposal_args(p: argparse.ArgumentParser) -> None:
-    """The proposal's wire form (generate and gateway): read by proposal_format."""
+    """The proposal's wire form (generate and gateway): read by commands.proposal_format."""
     p.add_argument("--proposal", default=None, choices=["dense", "sparse", "ids"],
                    help="wire form of q (default: ids when greedy, else dense)")
     p.add_argument("--proposal-dtype", default=None, choices=["float32", "float16", "bfloat16"],
@@ -337,34 +337,13 @@ def _bias_pair(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"--logit-bias takes ID:BIAS, e.g. 30:-100, got {text!r}") from None
 
 
-def proposal_format(args: argparse.Namespace):
-    """The --proposal flags as a ProposalFormat, or None for the client's default."""
-    from specdec.proposals import ProposalFormat
-
-    if args.proposal is None and args.proposal_dtype is None and args.top_n is None:
-        return None
-    if args.top_n is not None and args.proposal not in (None, "sparse"):
-        raise ValueError(f"--top-n goes with --proposal sparse, not --proposal {args.proposal}")
-    # A dtype alone is a dense q of that dtype, a --top-n alone a sparse one (greedy and typical
-    # rounds send ids whatever is asked).
-    kind = args.proposal or ("sparse" if args.top_n is not None else "dense")
-    return ProposalFormat(kind=kind, dtype=args.proposal_dtype or "float32",
-                          **({"top_n": args.top_n} if args.top_n is not None else {}))
-
-
-def drafting_flags(args: argparse.Namespace) -> list[str]:
-    """The drafting flags given (generate's and the gateway's): refused where nothing drafts."""
-    return [flag for flag, given in (("--num-speculative-tokens", args.num_speculative_tokens != "auto"),
-                                     ("--fanout", args.fanout), ("--proposal", args.proposal),
-                                     ("--proposal-dtype", args.proposal_dtype), ("--top-n", args.top_n))
-            if given]
-
-
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _check_serving_files(args)  # a missing --auth-token-file named no flag
     if not args.target_only and not args.drafter:
         parser.error("argument --drafter: required unless --target-only")
     # Flags that would change nothing are refused, as bench's are, rather than silently ignored.
+    from cli.commands import drafting_flags, generate_command
+
     if args.target_only and (drafting := drafting_flags(args)):
         parser.error(f"{', '.join(drafting)}: drafting flags, and --target-only drafts nothing")
     if args.acceptance_method != "typical" and (args.posterior_threshold, args.posterior_alpha) != (None, None):
@@ -377,7 +356,6 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except SpecDecError as exc:
         field = str(exc).split(":")[0].replace("_", "-")
         parser.error(f"argument --{field}: {exc}")
-    from cli.commands import generate_command
 
     return generate_command(args, params)
 

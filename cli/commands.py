@@ -10,6 +10,29 @@ import sys
 import grpc
 
 
+def proposal_format(args: argparse.Namespace):
+    """The --proposal flags as a ProposalFormat, or None for the client's default."""
+    from specdec.proposals import ProposalFormat
+
+    if args.proposal is None and args.proposal_dtype is None and args.top_n is None:
+        return None
+    if args.top_n is not None and args.proposal not in (None, "sparse"):
+        raise ValueError(f"--top-n goes with --proposal sparse, not --proposal {args.proposal}")
+    # A dtype alone is a dense q of that dtype, a --top-n alone a sparse one (greedy and typical
+    # rounds send ids whatever is asked).
+    kind = args.proposal or ("sparse" if args.top_n is not None else "dense")
+    return ProposalFormat(kind=kind, dtype=args.proposal_dtype or "float32",
+                          **({"top_n": args.top_n} if args.top_n is not None else {}))
+
+
+def drafting_flags(args: argparse.Namespace) -> list[str]:
+    """The drafting flags given (generate's and the gateway's): refused where nothing drafts."""
+    return [flag for flag, given in (("--num-speculative-tokens", args.num_speculative_tokens != "auto"),
+                                     ("--fanout", args.fanout), ("--proposal", args.proposal),
+                                     ("--proposal-dtype", args.proposal_dtype), ("--top-n", args.top_n))
+            if given]
+
+
 def generate_command(args: argparse.Namespace, params) -> int:
     try:
         return _run_generate(args, params)
@@ -21,8 +44,6 @@ def generate_command(args: argparse.Namespace, params) -> int:
 def _run_generate(args: argparse.Namespace, params) -> int:
     from client.output import json_logprob
     from client.speculative import SpeculativeClient
-    from cli import proposal_format
-
     from specdec_rpc.ops import read_token
 
     with SpeculativeClient(args.verifier, drafter=None if args.target_only else args.drafter,
@@ -110,7 +131,6 @@ def _http_health(url: str, timeout_s: float, ca: str | None = None) -> int:
 def gateway_command(args: argparse.Namespace) -> int:
     import logging
 
-    from cli import drafting_flags, proposal_format
 
     if not args.drafter and (drafting := drafting_flags(args)):  # before the imports below (torch): told at once
         raise ValueError(f"{', '.join(drafting)}: drafting flags need a --drafter (without one the gateway decodes "

@@ -1,4 +1,4 @@
-"""The generated stubs are fresh, and the core package stays free of gRPC."""
+"""The generated stubs are fresh, the core package stays free of gRPC, imports point down, and none loop."""
 
 from __future__ import annotations
 
@@ -50,3 +50,50 @@ def test_imports_point_down_only():
                     if target in FLOORS and target != top and FLOORS[target] >= floor:
                         offenders.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not offenders, offenders
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Each module of the floors -> the modules of the floors it imports (lazy imports included;
+    `from pkg import name` points at pkg.name when that is a module, else at pkg)."""
+    paths = {}
+    for top in FLOORS:
+        for path in (ROOT / top).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {name: set() for name in paths}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in paths:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def test_no_modules_import_each_other_in_a_loop():
+    graph = _module_imports()
+    assert {"cli.commands", "client.speculative"} <= graph["cli"] | graph["cli.commands"]  # the walk sees lazy imports
+    loops = []
+    for start in graph:  # a depth-first walk from each module back to itself
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    loops.append(" -> ".join(path + [start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+    assert not loops, loops
