@@ -104,6 +104,15 @@ def chi_square_pvalue(observed: dict, expected_probs: dict, n: int, min_expected
     return float(stats.chisquare(obs_arr, exp_arr).pvalue)
 
 
+def target_only_outputs(client, prompts: list, params) -> list[list[int]]:
+    """Each prompt's target-only token ids, the generations run at once (the verifier batches
+    them; a greedy row's output does not depend on its batch mates, which tests check)."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: client.generate(p, params, target_only=True).token_ids, prompts))
+
+
 def stream_concurrently(client, jobs: list, progress, chunks: dict | None = None,
                         gamma: int = 4) -> tuple[list, list[threading.Thread]]:
     """One streaming thread per (prompt, params) job, started; progress[i] counts the rounds

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, OPTConfig
 
-from client.launcher import start_service, start_services
+from client.launcher import start_services
 from client.speculative import SpeculativeClient
 from specdec.models import CausalLM, ModelSpec, decoder_blocks, load_tokenizer
 from specdec.sampling import SamplingParams
@@ -140,16 +140,15 @@ def test_a_drafter_with_a_smaller_lm_head_of_the_same_tokenizer_speculates_exact
     args = ["--dtype", "float32", "--max-draft-tokens", "8", "--log-level", "WARNING"]
     ids = list(range(1000, 1010))
     greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
-    with start_service("drafter", ["--model", drafter] + args, threads=1) as drafter_svc:
-        with start_service("verifier", ["--model", target] + args, threads=1) as verifier, \
-                SpeculativeClient(verifier.address, drafter=drafter_svc.address) as client:
+    with start_services([("drafter", ["--model", drafter] + args), ("verifier", ["--model", target] + args),
+                         ("verifier", ["--model", hot] + args)], threads=1) as (drafter_svc, verifier, hot_verifier):
+        with SpeculativeClient(verifier.address, drafter=drafter_svc.address) as client:
             assert client.verifier_info.vocab_size == VOCAB + 64 and client.drafter_info.vocab_size == VOCAB
             base = client.generate(ids, greedy, target_only=True)
             spec = client.generate(ids, greedy, num_speculative_tokens=4)
             # a prompt with a padding id (or a stop id past the drafter) runs target-only from the start
             padded_prompt = client.generate(ids + [VOCAB + 1], greedy, num_speculative_tokens=4)
-        with start_service("verifier", ["--model", hot] + args, threads=1) as verifier, \
-                SpeculativeClient(verifier.address, drafter=drafter_svc.address) as client:
+        with SpeculativeClient(hot_verifier.address, drafter=drafter_svc.address) as client:
             runs = [client.generate(ids, SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=seed),
                                     num_speculative_tokens=4) for seed in range(8)]
     assert spec.token_ids == base.token_ids and spec.num_accepted_tokens > 0

@@ -43,7 +43,6 @@ def test_mailbox_hands_every_item_over_in_order_with_one_wakeup_per_burst():
     burst_done = threading.Event()
 
     async def main() -> None:
-        nonlocal wakeups
         loop = asyncio.get_running_loop()
         for i in range(8):
             readers[i] = asyncio.Queue()

@@ -18,7 +18,7 @@ from client.speculative import GenerationResult, SpeculativeClient
 from specdec.sampling import SamplingParams
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
-from tests.conftest import stream_concurrently, wait_for
+from tests.conftest import stream_concurrently, target_only_outputs, wait_for
 
 pytestmark = pytest.mark.slow
 ARGS = ["--max-draft-tokens", "8", "--log-level", "WARNING"]
@@ -37,7 +37,7 @@ def test_drafter_killed_during_8_generations_they_finish_target_only_and_specula
     restarted = None
     try:
         with SpeculativeClient(verifier.address, drafter=drafter.address) as client:
-            expected = [client.generate(p, GREEDY, target_only=True).token_ids for p in PROMPTS]
+            expected = target_only_outputs(client, PROMPTS, GREEDY)
             progress: collections.Counter = collections.Counter()
             results, threads = stream_concurrently(client, [(p, GREEDY) for p in PROMPTS], progress)
             # Kill once every generation has committed two rounds (the first never drafts), i.e.
@@ -81,7 +81,7 @@ def test_verifier_restarted_mid_generation_generations_complete_with_the_greedy_
     try:
         with SpeculativeClient(verifier.address, drafter=drafter.address, recovery_timeout_s=240,
                                batch_verify=batch_verify) as client:
-            expected = [client.generate(p, GREEDY, target_only=True).token_ids for p in prompts]
+            expected = target_only_outputs(client, prompts, GREEDY)
             progress: collections.Counter = collections.Counter()
             results, threads = stream_concurrently(client, [(p, GREEDY) for p in prompts], progress)
             wait_for(lambda: len(progress) == len(prompts), 120, "a first round of every generation")

@@ -26,7 +26,7 @@ from specdec.serving import ModelInfo
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
 from specdec_rpc.ops import RECONNECT_BACKOFF_MAX_S
-from tests.conftest import stream_concurrently, wait_for
+from tests.conftest import stream_concurrently, target_only_outputs, wait_for
 
 ARGS = ["--max-draft-tokens", "8", "--log-level", "WARNING"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,",
@@ -276,20 +276,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _target_only(client: SpeculativeClient, prompts: list[str]) -> list[list[int]]:
-    out: list = [None] * len(prompts)
-
-    def run(i: int) -> None:
-        out[i] = client.generate(prompts[i], GREEDY, target_only=True).token_ids
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    return out
-
-
 @pytest.mark.slow
 def test_a_client_whose_only_drafter_is_down_starts_target_only_and_speculates_once_it_is_up(verifier_proc):
     """A drafter that is not up yet (a container still loading) must not keep the client, or a
@@ -332,7 +318,7 @@ def test_drafter_pool_takes_a_late_drafter_balances_and_moves_a_killed_drafters_
             wait_for(lambda: client.generate(PROMPTS[0], GREEDY.replace(max_tokens=8),
                                              num_speculative_tokens=4).drafter_addresses == [late],
                      60, "the late drafter to take a session")
-            expected = _target_only(client, PROMPTS)
+            expected = target_only_outputs(client, PROMPTS, GREEDY)
             progress: collections.Counter = collections.Counter()
             chunks: dict[int, list] = collections.defaultdict(list)
             results, threads = stream_concurrently(client, [(p, GREEDY) for p in PROMPTS], progress, chunks)
@@ -385,7 +371,7 @@ def test_verifier_pool_moves_a_killed_verifiers_sessions_and_outputs_do_not_chan
         with SpeculativeClient([verifier_proc.address, doomed.address], drafter=int8_drafter_proc.address,
                                recovery_timeout_s=120) as client:
             prompts = PROMPTS[:3]
-            expected = _target_only(client, prompts)
+            expected = target_only_outputs(client, prompts, GREEDY)
             seeded_ref = [client.generate(p, SEEDED, num_speculative_tokens=4).token_ids for p in prompts]
             jobs = [(p, GREEDY) for p in prompts] + [(p, SEEDED) for p in prompts]
             progress: collections.Counter = collections.Counter()

@@ -13,7 +13,7 @@ import torch
 
 from bench import synthetic
 from bench.engine import build_model
-from client.launcher import start_service
+from client.launcher import start_services
 from specdec.sampling import SamplingParams
 
 VOCAB = 49152  # the embedded tokenizer's
@@ -93,12 +93,12 @@ def test_the_pairs_greedy_acceptance_rises_monotonically_with_its_knob_through_t
     common = ["--dtype", "float32", "--max-draft-tokens", "8", "--log-level", "WARNING"]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     rates = []
-    with start_service("drafter", ["--model", str(tmp_path / "0.2" / "drafter"), *common, "--quantize", "none",
-                                   "--prefill-dtype", "none"], threads=1) as drafter:
-        for a in levels:
-            with start_service("verifier", ["--model", str(tmp_path / str(a) / "target"), *common],
-                               threads=1) as verifier, \
-                    SpeculativeClient(verifier.address, drafter=drafter.address) as client:
+    with start_services([("drafter", ["--model", str(tmp_path / "0.2" / "drafter"), *common, "--quantize", "none",
+                                      "--prefill-dtype", "none"])]
+                        + [("verifier", ["--model", str(tmp_path / str(a) / "target"), *common]) for a in levels],
+                        threads=1) as (drafter, *verifiers):
+        for verifier in verifiers:
+            with SpeculativeClient(verifier.address, drafter=drafter.address) as client:
                 results = [client.generate(p, params, num_speculative_tokens=gamma) for p in PROMPTS]
             rates.append(sum(r.num_accepted_tokens for r in results) / sum(r.num_draft_tokens for r in results))
     expected = [info.acceptance_rate_at_gamma[str(gamma)] for info in infos]
