@@ -430,7 +430,8 @@ def test_a_kv_budget_below_one_session_is_refused_at_start():
 
 def test_a_proposal_dtype_alone_is_a_dense_proposal_of_that_dtype():
     """`--proposal-dtype float16` without `--proposal` was ignored (float32 went out)."""
-    from cli import build_parser, proposal_format
+    from cli import build_parser
+    from cli.commands import proposal_format
 
     def fmt(*flags):
         return proposal_format(build_parser(bench=False).parse_args(["generate", "--verifier", "v:1", "--prompt", "x", *flags]))
