@@ -238,9 +238,10 @@ class VerifierEngine(ServingModel):
         step (returned unfinished), so it never stalls the others' rounds for more than a chunk.
 
         Host work is a few tensor builds for the whole batch (one int64 and one float
-        host-to-device copy, two more when a row's proposal is a distribution, draws from the counter hash of every row at once on the device,
-        logits processed in place per group of rows that share their parameters) and one
-        device-to-host read of the results. Each phase's time goes to `self.phases`."""
+        host-to-device copy, two more when a row's proposal is a distribution, draws from the
+        counter hash of every row at once on the device, logits processed in place per group of
+        rows that share their parameters) and one device-to-host read of the results. Each
+        phase's time goes to `self.phases`."""
         start = time.perf_counter()
         items = drop_closed(items)
         if not items:
