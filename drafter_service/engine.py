@@ -89,6 +89,11 @@ class Drafter(ServingModel):
         raise NotImplementedError
 
 
+def _argmax_drafts(params: SamplingParams) -> bool:
+    """Greedy, and no processor changes a logit: the draft is the raw logits' argmax."""
+    return params.greedy and not (params.min_tokens or params.has_penalties or params.has_token_filters)
+
+
 def _read_tokens(tokens: list[torch.Tensor]) -> list[int]:
     """The step's drafted tokens (0-dim tensors, one per row) in one device-to-host transfer."""
     return torch.stack(tokens).tolist() if tokens else []
@@ -163,7 +168,8 @@ class DrafterEngine(Drafter):
                 r.session.tokens.extend(chunk)
                 r.pending = r.pending[len(chunk):]
                 if not r.pending and len(r.drafts) < r.num_draft_tokens:
-                    drafting.append((r, self._propose(r.session.tokens, r.key, r.builder, row_logits)))
+                    drafting.append((r, row_logits))
+            drafting = list(zip([r for r, _ in drafting], self._propose_rows(drafting)))
             timer.stop()
             tokens = _read_tokens([t for _, t in drafting])
             synced = time.perf_counter()
@@ -228,6 +234,22 @@ class DrafterEngine(Drafter):
             item.future.set_result(out)
         except Exception as exc:  # noqa: BLE001 - this request alone fails
             item.future.set_exception(exc)
+
+    def _propose_rows(self, drafting: list[tuple[_Request, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each drafting row's next draft from its logits [1, V], as 0-dim tensors on their
+        device. Greedy rows whose processors change no logit (no penalties, min_tokens or token
+        filters: their draft is the raw argmax) take one argmax over their stack [R, V]; per row,
+        each tensor call is a kernel launch on a GPU. The other rows go one by one."""
+        out: list[torch.Tensor | None] = [None] * len(drafting)
+        plain = [i for i, (r, _) in enumerate(drafting) if _argmax_drafts(r.key[0])]
+        if plain:
+            argmax = torch.cat([drafting[i][1] for i in plain]).argmax(dim=-1)  # [R]
+            for j, i in enumerate(plain):
+                out[i] = drafting[i][0].builder.propose(None, None, argmax[j])
+        for i, (r, row_logits) in enumerate(drafting):
+            if out[i] is None:
+                out[i] = self._propose(r.session.tokens, r.key, r.builder, row_logits)
+        return out
 
     def _propose(self, tokens: list[int], key: tuple, builder: ProposalBuilder, logits: torch.Tensor) -> torch.Tensor:
         """One draft after `tokens` from logits [1, V], as a 0-dim tensor on their device (read back

@@ -434,3 +434,41 @@ def test_an_unknown_session_is_refused_before_its_proposal_is_decoded(target_lm,
         assert decoded  # a live session's proposal is decoded as before
     finally:
         verifier.shutdown()
+
+
+def test_greedy_drafts_of_rows_sharing_a_step_are_each_rows_own_continuation(target_lm):
+    """6 sessions draft γ 4 at once (one step's rows): greedy rows take one argmax over the
+    step's stacked logits, a row with a repetition penalty goes through the processors alone.
+    Each row's drafts must be its own greedy continuation (transformers, full forwards; the
+    penalised row: the drafts it gets alone), whatever row it had in the stack."""
+    from drafter_service.engine import DrafterEngine
+    from specdec.serving import EngineConfig
+
+    greedy, penalised = SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, repetition_penalty=1.3)
+    prompts = [target_lm.tokenizer(p, add_special_tokens=False).input_ids for p in PROMPTS[:6]]
+    params = [penalised if i == 2 else greedy for i in range(6)]
+    drafter = DrafterEngine(target_lm.spec, EngineConfig(speculation_slots=0, max_draft_tokens=4), lm=target_lm)
+    try:
+        sids = [drafter.open_session() for _ in prompts]
+        barrier = threading.Barrier(len(prompts))
+
+        def draft(i: int) -> list[int]:
+            barrier.wait()
+            return list(drafter.draft(sids[i], 0, prompts[i], 4, params[i]).draft_token_ids)
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(draft, range(len(prompts))))
+        alone = list(drafter.draft(drafter.open_session(), 0, prompts[2], 4, penalised).draft_token_ids)
+        batches = drafter.snapshot_stats()["batches"]
+    finally:
+        drafter.shutdown()
+    for i, ids in enumerate(prompts):
+        if i == 2:
+            assert together[i] == alone
+            continue
+        seq = list(ids)
+        with torch.inference_mode():
+            for _ in range(4):
+                seq.append(int(target_lm.model(torch.tensor([seq])).logits[0, -1].argmax()))
+        assert together[i] == seq[len(ids):], i
+    assert batches <= len(prompts) - 1  # rows shared steps (7 requests)
