@@ -35,6 +35,16 @@ STREAM_DRAFT = 1
 STREAM_VERIFY = 2
 _FLOAT32_MAX = 3.4028234663852886e38
 INT32_MAX = 2**31 - 1  # top_k, min_tokens and stop token ids travel as int32
+# Entries of stop_token_ids, allowed_token_ids or logit_bias. Every round re-sends a request's
+# parameters and both services re-check them: a million stop ids (7 MB) made each round of that
+# request cost a second and held gigabytes on the services, stalling every other request.
+# Longer than the largest vocabularies' ids worth naming; a list of every id is no filter.
+MAX_TOKEN_ID_LIST = 65_536
+
+
+def check_id_list_length(name: str, n: int) -> None:
+    if n > MAX_TOKEN_ID_LIST:
+        raise InvalidArgument(name, f"at most {MAX_TOKEN_ID_LIST} entries, got {n}")
 # Penalised logits saturate here: an extreme repetition_penalty (10 / 1e-39) overflowed float32 to
 # inf, whose softmax is NaN. Still dominant (or vanishing) after the smallest temperature.
 LOGIT_BOUND = 1e20
@@ -160,6 +170,9 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # 1.5, "3", True: a caller's slip
                 raise InvalidArgument(name, f"must be an integer, got {value!r}")
 
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("logit_bias", self.logit_bias)):
+            check_id_list_length(name, len(ids))
         for name in ("top_k", "min_tokens"):
             integer(name, getattr(self, name))
         for name in _BOOL_FIELDS:

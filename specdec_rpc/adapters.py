@@ -16,7 +16,7 @@ import grpc
 from specdec.errors import (EngineStopped, InvalidArgument, OutOfRange, ResourceExhausted, SessionBusy, SessionNotFound,
                             SpecDecError)
 from specdec.proposals import DENSE, IDS_ONLY, SPARSE, Proposal, ProposalFormat
-from specdec.sampling import SamplingParams
+from specdec.sampling import SamplingParams, check_id_list_length
 from specdec.serving import EngineLoad, ModelInfo, ServingModel
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc.ops import (
@@ -116,6 +116,8 @@ def _remembered_sampling(key: bytes) -> SamplingParams:
 
 
 def _sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):  # before any list is built
+        check_id_list_length(f"sampling.{name}", len(getattr(msg, name)))
     kwargs = {name: getattr(msg, name) for name in _SCALAR_FIELDS if msg.HasField(name)}
     if msg.acceptance_method != pb.ACCEPTANCE_METHOD_UNSPECIFIED:
         method = _METHOD_FROM_PB.get(msg.acceptance_method)

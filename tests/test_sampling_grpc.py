@@ -41,6 +41,10 @@ def stubs(verifier_proc, int8_drafter_proc):
         ("min_p", pb.SamplingParams(min_p=1.5)),
         # every id a stop id: min_tokens would leave no token (a NaN distribution, which sampled id V)
         ("stop_token_ids", pb.SamplingParams(min_tokens=2, stop_token_ids=range(49152))),
+        # past 65,536 entries: every round re-sends and re-checks them (a million stalled everyone)
+        ("stop_token_ids", pb.SamplingParams(stop_token_ids=[7] * 65_537)),
+        ("allowed_token_ids", pb.SamplingParams(allowed_token_ids=[7] * 65_537)),
+        ("logit_bias", pb.SamplingParams(logit_bias={i: 1.0 for i in range(65_537)})),
     ],
 )
 def test_invalid_sampling_parameter_is_invalid_argument_naming_it(stubs, field, sampling):

@@ -221,13 +221,13 @@ def test_a_slow_or_disconnected_batch_client_loses_only_its_own_sessions(stub, v
 
 
 def test_a_stream_client_that_never_reads_is_no_longer_read_and_costs_the_server_bounded_memory(stub, verifier_proc):
-    """A client sends 300 messages of 2,000 entries (unknown sessions: each fails at once) and
+    """A client sends 300 messages of 500 entries (unknown sessions: each fails at once) and
     reads no reply. The server used to begin every message as it arrived and keep its results
     until their replies were sent: 1 GB more per 300 such messages, without end. Now it stops
     reading once the stream's window of unanswered entries is full, and gRPC's flow control
     holds the client's sends. The server serves other clients throughout and after."""
     junk = pb.VerifyBatchRequest(requests=[pb.VerifyRequest(session_id=f"no-such-session-{i}", append_token_ids=[1])
-                                           for i in range(2000)])
+                                           for i in range(500)])
     pulled = [0]
 
     def messages():
@@ -248,6 +248,25 @@ def test_a_stream_client_that_never_reads_is_no_longer_read_and_costs_the_server
         assert _run(stub, pb.SamplingParams(temperature=0.0), "stream")  # others are served meanwhile
     finally:
         replies.cancel()
+
+
+def test_a_message_past_the_entry_cap_is_refused_and_a_stream_ends_after_the_replies_before_it(stub, verifier_proc):
+    """At most --max-sessions + 256 entries a message (a million bogus ones held the engine's
+    checks 30 s): a VerifyBatch past it is INVALID_ARGUMENT naming the cap; on a stream the
+    earlier message is answered, then the stream ends with that status."""
+    cap = stub.GetModelInfo(pb.ModelInfoRequest()).max_sessions + 256
+    entry = pb.VerifyRequest(session_id="no-such-session", append_token_ids=[1])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.VerifyBatch(pb.VerifyBatchRequest(requests=[entry] * (cap + 1)), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"at most {cap}" in err.value.details()
+    assert len(stub.VerifyBatch(pb.VerifyBatchRequest(requests=[entry] * cap), timeout=60).results) == cap
+    replies = stub.VerifyStream(iter([pb.VerifyBatchRequest(tag=1, requests=[entry]),
+                                      pb.VerifyBatchRequest(tag=2, requests=[entry] * (cap + 1))]), timeout=30)
+    first = next(replies)
+    assert first.tag == 1 and first.results[0].code == grpc.StatusCode.NOT_FOUND.value[0]
+    with pytest.raises(grpc.RpcError) as err:
+        next(replies)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"at most {cap}" in err.value.details()
 
 
 @pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=11)],

@@ -8,7 +8,7 @@ import threading
 
 import grpc
 
-from specdec.errors import SpecDecError
+from specdec.errors import InvalidArgument, SpecDecError
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
 from specdec_rpc.adapters import (
@@ -41,6 +41,8 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
     @rpc_method
     def VerifyBatch(self, request, context):
         # someone else's session is NOT_FOUND, per entry
+        if len(request.requests) > (cap := self._max_entries()):
+            raise InvalidArgument("requests", _too_many(len(request.requests), cap))
         return _batch_response(self.engine.verify_batch(_calls(request, caller_owner(context))))
 
     def VerifyStream(self, request_iterator, context):
@@ -50,7 +52,7 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
         arrival order) and builds the replies. However the stream ends (the client closes it,
         disconnects or is cancelled), every begun message is finished: no session stays held.
 
-        The entries begun and not yet replied to are bounded (`_stream_window`): a client that
+        The entries begun and not yet replied to are bounded (`_max_entries`): a client that
         stops reading its replies stops being read once the window is full (gRPC's flow control
         then holds its sends), so it holds a bounded number of messages and only its own
         sessions. Unbounded, its messages piled up in memory (1 GB per 300 messages of 2,000
@@ -67,8 +69,9 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
 
     def _stream(self, request_iterator, context):
         owner = caller_owner(context)
-        begun: queue.SimpleQueue = queue.SimpleQueue()  # (tag, BatchInFlight, entries) in arrival order; None: ended
-        window = self._stream_window()
+        begun: queue.SimpleQueue = queue.SimpleQueue()  # (tag, BatchInFlight, entries) in arrival order;
+        # a refusal's message; None: ended
+        window = self._max_entries()
         room = threading.Condition()
         state = {"closed": False, "in_flight": 0}  # entries begun and not yet replied to
 
@@ -76,8 +79,10 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
             try:
                 for message in request_iterator:
                     entries = max(len(message.requests), 1)
+                    if entries > window:  # the stream ends there, once the replies before it are out
+                        begun.put(_too_many(entries, window))
+                        return
                     with room:  # never begin a message after the stream has let its sessions go
-                        # a message larger than the window goes alone
                         room.wait_for(lambda: state["closed"] or not state["in_flight"]
                                       or state["in_flight"] + entries <= window)
                         if state["closed"]:
@@ -94,6 +99,8 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
         threading.Thread(target=read, name="verify-stream", daemon=True).start()
         try:
             while (item := begun.get()) is not None:
+                if isinstance(item, str):
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, item)
                 tag, batch, entries = item
                 reply = _batch_response(self.engine.finish_batch(batch))
                 reply.tag = tag
@@ -110,13 +117,20 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
                     item = begun.get_nowait()
                 except queue.Empty:
                     break
-                if item is not None:
+                if item is not None and not isinstance(item, str):
                     self.engine.finish_batch(item[1])
 
-    def _stream_window(self) -> int:
-        """Entries one VerifyStream may have begun and not yet answered: every session the server
-        admits (a session has at most one round in flight) and one more full client batch."""
+    def _max_entries(self) -> int:
+        """Entries of one VerifyBatch, and those one VerifyStream may have begun and not yet
+        answered: every session the server admits (a session has at most one round in flight)
+        and one more full client batch. A million bogus entries in one call held the engine's
+        checks for 30 s and 3 GB."""
         return self.engine.info.max_sessions + STREAM_SLACK_ENTRIES
+
+
+def _too_many(entries: int, cap: int) -> str:
+    return (f"{entries} entries in one message; a verifier takes at most {cap} (its --max-sessions + "
+            f"{STREAM_SLACK_ENTRIES}): split the step")
 
 
 def _calls(request: pb.VerifyBatchRequest, owner: str | None) -> list[VerifyCall | Exception]:
