@@ -131,7 +131,6 @@ def _http_health(url: str, timeout_s: float, ca: str | None = None) -> int:
 def gateway_command(args: argparse.Namespace) -> int:
     import logging
 
-
     if not args.drafter and (drafting := drafting_flags(args)):  # before the imports below (torch): told at once
         raise ValueError(f"{', '.join(drafting)}: drafting flags need a --drafter (without one the gateway decodes "
                          "target-only)")

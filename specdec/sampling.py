@@ -42,9 +42,6 @@ INT32_MAX = 2**31 - 1  # top_k, min_tokens and stop token ids travel as int32
 MAX_TOKEN_ID_LIST = 65_536
 
 
-def check_id_list_length(name: str, n: int) -> None:
-    if n > MAX_TOKEN_ID_LIST:
-        raise InvalidArgument(name, f"at most {MAX_TOKEN_ID_LIST} entries, got {n}")
 # Penalised logits saturate here: an extreme repetition_penalty (10 / 1e-39) overflowed float32 to
 # inf, whose softmax is NaN. Still dominant (or vanishing) after the smallest temperature.
 LOGIT_BOUND = 1e20
@@ -65,6 +62,11 @@ def float32(value: float) -> float:
 def _as_sent(value: float) -> str:
     sent = float32(value)
     return "" if sent == value or sent != 0.0 else " (0 as the 32-bit float it travels as)"
+
+
+def check_id_list_length(name: str, n: int) -> None:
+    if n > MAX_TOKEN_ID_LIST:
+        raise InvalidArgument(name, f"at most {MAX_TOKEN_ID_LIST} entries, got {n}")
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,8 @@ _SAMPLING_MEMO_KEY_BYTES = 1024
 
 def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     """Unset fields take vLLM's defaults; invalid values raise InvalidArgument naming the field."""
+    for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):  # before any copy of them
+        check_id_list_length(f"sampling.{name}", len(getattr(msg, name)))
     key = msg.SerializeToString(deterministic=True)
     if len(key) > _SAMPLING_MEMO_KEY_BYTES:  # long id lists: built per call, never kept
         return _sampling_from_pb(msg)
@@ -116,8 +118,6 @@ def _remembered_sampling(key: bytes) -> SamplingParams:
 
 
 def _sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
-    for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):  # before any list is built
-        check_id_list_length(f"sampling.{name}", len(getattr(msg, name)))
     kwargs = {name: getattr(msg, name) for name in _SCALAR_FIELDS if msg.HasField(name)}
     if msg.acceptance_method != pb.ACCEPTANCE_METHOD_UNSPECIFIED:
         method = _METHOD_FROM_PB.get(msg.acceptance_method)
