@@ -94,8 +94,9 @@ def sampling_to_pb(params: SamplingParams) -> pb.SamplingParams:
     return msg
 
 
-# Its keys are the messages: 4,096 of a million stop ids each held the verifier's memory (45 MB a
-# call, refused calls included). Messages past this size are not remembered.
+# The memo's keys (_remembered_sampling's, below) are the messages: 4,096 of a million stop ids each
+# held the verifier's memory (45 MB a call, refused calls included). Messages past this size are not
+# remembered.
 _SAMPLING_MEMO_KEY_BYTES = 1024
 
 
