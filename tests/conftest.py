@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 
@@ -102,6 +103,13 @@ def chi_square_pvalue(observed: dict, expected_probs: dict, n: int, min_expected
     obs_arr, exp_arr = np.asarray(obs, float), np.asarray(exp, float)
     exp_arr *= obs_arr.sum() / exp_arr.sum()
     return float(stats.chisquare(obs_arr, exp_arr).pvalue)
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now (for a service that must come back on the same one)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def target_only_outputs(client, prompts: list, params) -> list[list[int]]:

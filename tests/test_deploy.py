@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import yaml
 
 from client.launcher import start_service
 from cli import build_parser
+from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE_DIR = "/models"
@@ -232,12 +232,6 @@ def test_dockerfile_has_cpu_and_cuda_targets_with_the_specdec_entrypoint():
     assert ".venv" in (ROOT / ".dockerignore").read_text().split()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_compose_topology_as_local_processes_configured_by_environment():
     """What compose does, with processes: flags come only from SPECDEC_* variables."""
@@ -246,7 +240,7 @@ def test_compose_topology_as_local_processes_configured_by_environment():
     from specdec_rpc import specdec_pb2 as pb
     from specdec_rpc import specdec_pb2_grpc as pb_grpc
 
-    metrics_port = _free_port()
+    metrics_port = free_port()
     common = {"SPECDEC_MAX_DRAFT_TOKENS": "6", "SPECDEC_LOG_LEVEL": "WARNING", "SPECDEC_THREADS": "1",
               "SPECDEC_GRACE_S": "3"}
     verifier = start_service("verifier", env={**common, "SPECDEC_METRICS_PORT": str(metrics_port)})

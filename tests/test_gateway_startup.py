@@ -5,7 +5,6 @@ service processes on loopback ports, driven by the official `openai` package."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,16 +15,10 @@ import openai
 import pytest
 
 from client.launcher import start_service
-from tests.conftest import SERVICE_THREADS
+from tests.conftest import SERVICE_THREADS, free_port
 
 UNREACHABLE = "127.0.0.1:1"  # nothing listens: every connection attempt is refused at once
 SHORT_WAIT_S = 2.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _openai(gateway, timeout_s: float) -> openai.OpenAI:
@@ -42,7 +35,7 @@ def unreachable_gateway():
 
 @pytest.mark.slow
 def test_a_chat_completion_sent_before_the_services_start_waits_for_them_and_succeeds():
-    verifier_port, drafter_port = _free_port(), _free_port()
+    verifier_port, drafter_port = free_port(), free_port()
     with ExitStack() as stack:
         gw = stack.enter_context(start_service(
             "gateway", ["--verifier", f"127.0.0.1:{verifier_port}", "--drafter", f"127.0.0.1:{drafter_port}",
@@ -207,7 +200,7 @@ def test_after_a_redeploy_with_another_model_the_gateway_serves_the_new_one(tmp_
         models[name] = str(tmp_path / name)
         subprocess.run([sys.executable, "-m", "cli", "random-model", "--preset", "tiny", "--out", models[name]],
                        check=True, capture_output=True, timeout=300)
-    port = _free_port()
+    port = free_port()
     args = ["--log-level", "WARNING"]
     with ExitStack() as stack:
         verifier = stack.enter_context(start_service("verifier", args + ["--model", models["old"]], port=port,

@@ -22,7 +22,7 @@ from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.serving import ModelInfo
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
-from tests.conftest import chi_square_pvalue
+from tests.conftest import chi_square_pvalue, free_port
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,"]
 GREEDY = pb.SamplingParams(temperature=0.0)
@@ -270,9 +270,7 @@ def test_the_readmes_demo_runs_both_services_and_the_gateway_and_stops_them():
     process is gone after it exits."""
     import socket
 
-    with socket.socket() as s:  # a free port for the gateway
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # for the gateway
     run = _cli("demo", "--prompt", "Name a colour.", "--max-tokens", "8", "--gateway-args", f"--port {port}",
                timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]

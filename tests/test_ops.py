@@ -24,20 +24,15 @@ from specdec.models import ModelSpec, load_tokenizer
 from specdec.sampling import SamplingParams
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
 ARGS = ["--max-draft-tokens", "8", "--log-level", "WARNING"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def services():
-    ports = {"drafter": _free_port(), "verifier": _free_port()}
+    ports = {"drafter": free_port(), "verifier": free_port()}
     started = []
     try:
         for role in ("verifier", "drafter"):
@@ -81,7 +76,7 @@ def test_health_cli_exits_zero_when_serving_and_one_when_down(services):
     ok = subprocess.run([sys.executable, "-m", "cli", "health", "--address", svc.address],
                         capture_output=True, text=True, timeout=60)
     assert (ok.returncode, ok.stdout.strip()) == (0, "SERVING")
-    down = subprocess.run([sys.executable, "-m", "cli", "health", "--address", f"127.0.0.1:{_free_port()}",
+    down = subprocess.run([sys.executable, "-m", "cli", "health", "--address", f"127.0.0.1:{free_port()}",
                            "--timeout-s", "2"], capture_output=True, text=True, timeout=60)
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
 

@@ -26,7 +26,7 @@ from specdec.serving import ModelInfo
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
 from specdec_rpc.ops import RECONNECT_BACKOFF_MAX_S
-from tests.conftest import stream_concurrently, target_only_outputs, wait_for
+from tests.conftest import free_port, stream_concurrently, target_only_outputs, wait_for
 
 ARGS = ["--max-draft-tokens", "8", "--log-level", "WARNING"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,",
@@ -270,18 +270,12 @@ def test_swapped_drafter_and_verifier_addresses_are_named_not_reported_as_unimpl
         SpeculativeClient(drafter=verifier_proc.address, verifier=verifier_proc.address)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_a_client_whose_only_drafter_is_down_starts_target_only_and_speculates_once_it_is_up(verifier_proc):
     """A drafter that is not up yet (a container still loading) must not keep the client, or a
     gateway in front of it, from serving: generations run target-only, and speculation starts
     by itself once the drafter answers."""
-    late = f"127.0.0.1:{_free_port()}"
+    late = f"127.0.0.1:{free_port()}"
     drafter = None
     try:
         with SpeculativeClient(verifier_proc.address, drafter=late) as client:
@@ -308,7 +302,7 @@ def test_drafter_pool_takes_a_late_drafter_balances_and_moves_a_killed_drafters_
     retried once it is up); 6 concurrent greedy generations are split 3/3; the first
     drafter is SIGKILLed mid-run: its sessions move to the other drafter in the same round
     (re-prefilled) and keep drafting, and every output equals target-only decoding."""
-    late = f"127.0.0.1:{_free_port()}"
+    late = f"127.0.0.1:{free_port()}"
     doomed = None
     try:
         with SpeculativeClient(verifier_proc.address, drafter=[late, drafter_proc.address]) as client:
@@ -427,7 +421,7 @@ def test_a_client_whose_every_verifier_is_down_at_start_raises_no_server_availab
     """Construction against a pool of which no verifier answers raises the same NoServerAvailable
     (a ConnectionError) as a generation whose verifiers are gone, naming every address and the
     first status; it was the first probe's raw AioRpcError."""
-    down = [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]
+    down = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
     with pytest.raises(NoServerAvailable, match=f"no verifier of {down[0]}, {down[1]} answered at start; "
                                                 "the first error: UNAVAILABLE") as caught:
         SpeculativeClient(down, timeout_s=5.0)
@@ -441,7 +435,7 @@ class _Switch:
 
     def __init__(self, upstream: str) -> None:
         host, port = upstream.rsplit(":", 1)
-        self.upstream, self.port = (host, int(port)), _free_port()
+        self.upstream, self.port = (host, int(port)), free_port()
         self.address = f"127.0.0.1:{self.port}"
         self._listener: socket.socket | None = None
         self._open: list[socket.socket] = []
