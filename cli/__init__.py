@@ -382,6 +382,10 @@ def _add_gateway_parser(sub) -> None:
     gw.add_argument("--fanout", type=positive("--fanout", zero=True), default=0,
                     help="speculation cache: the drafter pre-drafts the next round for its top-F bonus candidates")
     _add_proposal_args(gw)
+    gw.add_argument("--max-request-bytes", type=positive("--max-request-bytes", zero=True),
+                    default=None,
+                    help="a larger request body gets 413 request_too_large before it is read whole "
+                         "(default 32 MiB; 0: no limit)")
     gw.add_argument("--max-concurrent-requests", type=positive("--max-concurrent-requests"), default=64,
                     help="generations run at once, each with a session on each side; more requests "
                          "wait for a slot, up to --timeout-s (then 503 server_busy)")

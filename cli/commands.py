@@ -151,7 +151,8 @@ def gateway_command(args: argparse.Namespace) -> int:
         names = names.replace(",", " ").split() or [""]
     if any(not name.strip() for name in names):
         raise ValueError("--served-model-name: a model name may not be empty")
-    config = GatewayConfig(upstream=upstream, api_key=args.api_key or None, served_model_names=tuple(names))
+    limit = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
+    config = GatewayConfig(upstream=upstream, api_key=args.api_key or None, served_model_names=tuple(names), **limit)
     serve(config, args.host, args.port, grace_s=args.grace_s, ssl_certfile=args.ssl_certfile,
           ssl_keyfile=args.ssl_keyfile, log_level=args.log_level)
     return 0

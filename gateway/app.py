@@ -57,6 +57,9 @@ log = logging.getLogger("specdec.gateway")
 CLIENT_CLOSED = 499  # nginx's code for a request the client abandoned; only metrics and logs see it
 _ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics", "/version")
 _KEYED = ("/v1", "/tokenize", "/detokenize")  # paths that need the API key (vLLM keys /v1 only)
+# A 128k-token prompt is ~0.5 MB of text and ~1 MB as token ids, a 65,536-entry logit_bias ~1 MB:
+# 32 MiB leaves room for a batch of long prompts and refuses what would only cost memory.
+DEFAULT_MAX_REQUEST_BYTES = 32 << 20
 try:
     _VERSION = _package_version("specdec")
 except PackageNotFoundError:  # run from a source tree that was never installed
@@ -68,6 +71,7 @@ class GatewayConfig:
     upstream: UpstreamConfig
     api_key: str | None = None  # clients must send `Authorization: Bearer <api_key>` to /v1/*
     served_model_names: tuple[str, ...] = ()  # default: the verifier's model name
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413; 0: no limit
 
 
 class _ClientGone(Exception):
@@ -128,6 +132,10 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "not_found" if exc.status_code == 404 else None
         err = APIError(exc.status_code, str(exc.detail), code=code)
+        if exc.status_code == 400 and isinstance(exc.__cause__, (ValueError, RecursionError)):
+            # FastAPI's "error parsing the body": bytes that are not UTF-8, nesting past Python's
+            # recursion limit, an integer past its 4,300 digits. Its cause says which.
+            err = bad_request(None, f"malformed JSON body: {str(exc.__cause__)[:200]}", code="invalid_json")
         return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
@@ -294,7 +302,7 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
         _finish(runs, builder, results)
         return JSONResponse(builder.response(results))
 
-    app.add_middleware(_FrontDoor, api_key=config.api_key, metrics=metrics)
+    app.add_middleware(_FrontDoor, api_key=config.api_key, metrics=metrics, max_request_bytes=config.max_request_bytes)
     return app
 
 
@@ -457,10 +465,11 @@ def _finish(runs: list[_Choice], builder: ResponseBuilder, results: list[Generat
 
 class _FrontDoor:
     """Pure ASGI (a BaseHTTPMiddleware would buffer streams and hide disconnects): checks the
-    API key of /v1/* before the body is read, and counts every answer by endpoint and status."""
+    API key of /v1/* before the body is read, refuses a body past `max_request_bytes` (413)
+    before it is all read, and counts every answer by endpoint and status."""
 
-    def __init__(self, app, api_key: str | None, metrics: GatewayMetrics) -> None:
-        self.app, self.metrics = app, metrics
+    def __init__(self, app, api_key: str | None, metrics: GatewayMetrics, max_request_bytes: int = 0) -> None:
+        self.app, self.metrics, self.max_request_bytes = app, metrics, max_request_bytes
         self._key_digest = hashlib.sha256(api_key.encode()).digest() if api_key else None
 
     async def __call__(self, scope, receive, send) -> None:
@@ -483,9 +492,50 @@ class _FrontDoor:
                 response = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, counting_send)
                 return
+            if self.max_request_bytes and scope["method"] in ("POST", "PUT", "PATCH"):
+                bounded = await self._bounded_body(scope, receive)
+                if bounded is None:
+                    err = APIError(413, f"The request body is larger than {self.max_request_bytes} bytes "
+                                        f"(the gateway's --max-request-bytes).", code="request_too_large")
+                    # Connection: close, since the rest of the body is not read.
+                    await JSONResponse(err.body(), status_code=413, headers={"Connection": "close"})(
+                        scope, receive, counting_send)
+                    return
+                receive = bounded
             await self.app(scope, receive, counting_send)
         finally:
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+
+    async def _bounded_body(self, scope, receive):
+        """The body read up to the limit and handed to the app as one message (it reads it
+        whole anyway), then `receive` itself for the disconnect; None past the limit. A
+        declared Content-Length past it is refused before a byte is read; a chunked body or
+        one that exceeds what it declared is counted as it arrives."""
+        for key, value in scope.get("headers", ()):
+            if key == b"content-length" and value.strip().isdigit() and int(value) > self.max_request_bytes:
+                return None
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: the app sees it at its first read
+                first = message
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_request_bytes:
+                return None
+            if not message.get("more_body", False):
+                first = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                break
+        handed = False
+
+        async def replay():
+            nonlocal handed
+            if not handed:
+                handed = True
+                return first
+            return await receive()
+        return replay
 
     def _authorized(self, scope) -> bool:
         given = b""

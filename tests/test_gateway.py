@@ -367,11 +367,27 @@ def test_continue_final_message_continues_the_assistants_text(oai, model, tokeni
 # ---- errors ----------------------------------------------------------------------------------
 
 
+_UNPARSABLE = {"bytes that are not UTF-8": b'{"prompt": "\xff\xfe", "max_tokens": 2}',
+               "JSON nested past Python's recursion limit": b"[" * 100_000 + b"]" * 100_000,
+               "an integer of 5,000 digits": b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}"}
+
+
 def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusError:
     messages = [{"role": "user", "content": "hi"}]
     if case == "malformed JSON":
         return httpx.post(f"{base_url}/v1/chat/completions", content=b'{"model": "x", "messages": [',
                           headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    if case in _UNPARSABLE:  # FastAPI's own parse errors: a 400 without the code before
+        return httpx.post(f"{base_url}/v1/completions", content=_UNPARSABLE[case],
+                          headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    if case == "a body past --max-request-bytes":
+        body = json.dumps({"model": model, "prompt": "x" * (33 << 20), "max_tokens": 2}).encode()
+        headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+        declared = httpx.post(f"{base_url}/v1/completions", content=body, headers=headers)
+        assert declared.status_code == 413, declared.text  # refused on its Content-Length
+        # Chunked: no length declared, counted as it arrives.
+        return httpx.post(f"{base_url}/v1/completions", headers=headers,
+                          content=(body[i:i + (1 << 20)] for i in range(0, len(body), 1 << 20)))
     if case == "prompt token id past the vocabulary":
         with pytest.raises(openai.APIStatusError) as info:
             oai.completions.create(model=model, prompt=[1, 10**7], max_tokens=2)
@@ -445,6 +461,10 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
     ("stop_token_ids past the vocabulary", 400, "stop_token_ids", None),
     ("max_tokens past the context", 400, "max_tokens", "context_length_exceeded"),
     ("malformed JSON", 400, None, "invalid_json"),
+    ("bytes that are not UTF-8", 400, None, "invalid_json"),
+    ("JSON nested past Python's recursion limit", 400, None, "invalid_json"),
+    ("an integer of 5,000 digits", 400, None, "invalid_json"),
+    ("a body past --max-request-bytes", 413, None, "request_too_large"),
     ("wrong key", 401, None, "invalid_api_key"),
     ("missing key", 401, None, "invalid_api_key"),
     ("prompt token id past the vocabulary", 400, "prompt", None),
