@@ -211,6 +211,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "thread sends every session's round of a step in one VerifyBatch call; stream: the same "
                         "steps as messages of one VerifyStream")
     v.add_argument("--batched", dest="front", action="store_const", const="batched", help="= --front batched")
+    v.add_argument("--proposal", choices=("ids", "sparse", "dense"), default="ids",
+                   help="ids: greedy rounds (default); sparse (top --top-n) or dense (float32 [γ, V]): sampled "
+                        "rounds (temperature 1) whose drafts come with the proposal they were drawn from")
+    v.add_argument("--top-n", type=_positive("--top-n"), default=64, help="tokens of a --proposal sparse row")
     v.add_argument("--empty-calls", type=int, default=500,
                    help="unary health checks timed first: what a gRPC call alone costs on this host (0 = skip)")
     v.add_argument("--json", type=output_file, default=None)

@@ -10,6 +10,8 @@ in the same run and every row reports its throughput relative to it.
 `--front batched`: one client thread carries all C sessions and sends each step's rounds in
 one VerifyBatch call (the batched front), instead of C threads with a unary Verify each;
 `--front stream`: the same steps as messages of one VerifyStream (no call set-up per step).
+`--proposal sparse|dense`: sampled rounds (temperature 1, rejection sampling) whose random
+drafts come with a proposal they were drawn from, as a drafter sends it (ids: greedy rounds).
 
 Against the engine: every reply carries the step's device time and rows (EngineLoad), so
 each level also reports what the engine's own step allows, engine rows/s = rows per step ×
@@ -42,10 +44,45 @@ from specdec_rpc.adapters import CHANNEL_OPTIONS
 from specdec_rpc.ops import client_security, open_channel
 
 
+class _Rounds:
+    """A session's drafts of a round and what goes with them: greedy ids, or drafts sampled
+    from a random distribution with their proposal (`proposal`: ids, sparse or dense). A few
+    are made up front and reused, so the client's per-round cost does not depend on the form."""
+
+    VARIANTS = 16
+
+    def __init__(self, proposal: str, gamma: int, vocab: int, rng: random.Random, top_n: int = 64) -> None:
+        self.rng, self.vocab, self.gamma, self.kind = rng, vocab, gamma, proposal
+        self.sampling = pb.SamplingParams(temperature=0.0 if proposal == "ids" else 1.0)
+        self.variants: list[tuple[list[int], pb.Proposal]] = []
+        if proposal != "ids" and gamma:
+            import torch
+
+            from specdec.proposals import ProposalBuilder, ProposalFormat
+            from specdec_rpc.adapters import proposal_to_pb
+
+            gen = torch.Generator().manual_seed(rng.randrange(2**31))
+            for _ in range(self.VARIANTS):
+                builder = ProposalBuilder(ProposalFormat(kind=proposal, top_n=top_n), vocab)
+                probs = torch.softmax(torch.randn(gamma, vocab, generator=gen) * 4, dim=-1)  # [γ, V]
+                drafts = [builder.sample(probs[j], rng.random(), 0) for j in range(gamma)]
+                self.variants.append((drafts, proposal_to_pb(builder.build())))
+
+    def request(self, sid: str, kv: int, last: int) -> pb.VerifyRequest:
+        if not self.variants:
+            return pb.VerifyRequest(session_id=sid, truncate_to=kv, append_token_ids=[last], sampling=self.sampling,
+                                    draft_token_ids=[self.rng.randrange(100, self.vocab) for _ in range(self.gamma)])
+        drafts, proposal = self.variants[self.rng.randrange(len(self.variants))]
+        return pb.VerifyRequest(session_id=sid, truncate_to=kv, append_token_ids=[last], draft_token_ids=drafts,
+                                proposal=proposal, sampling=self.sampling)
+
+
 def _worker(stub, gamma: int, prompt_len: int, vocab: int, max_context: int, seconds: float, seed: int,
-            samples: list[tuple], rounds: list[int], index: int, start: threading.Barrier) -> None:
+            samples: list[tuple], rounds: list[int], index: int, start: threading.Barrier,
+            proposal: str = "ids", top_n: int = 64) -> None:
     rng = random.Random(seed)
     greedy = pb.SamplingParams(temperature=0.0)
+    made = _Rounds(proposal, gamma, vocab, rng, top_n)
     sid = None
     try:
         sid = stub.OpenSession(pb.OpenSessionRequest(), timeout=60).session_id
@@ -57,10 +94,9 @@ def _worker(stub, gamma: int, prompt_len: int, vocab: int, max_context: int, sec
         while time.monotonic() < deadline:
             if kv + 1 + gamma >= max_context:  # keep the context bounded: back to the prompt
                 kv, last = prompt_len - 1, prompt[-1]
-            drafts = [rng.randrange(100, vocab) for _ in range(gamma)]
+            request = made.request(sid, kv, last)
             t0 = time.perf_counter()
-            r = stub.Verify(pb.VerifyRequest(session_id=sid, truncate_to=kv, append_token_ids=[last],
-                                             draft_token_ids=drafts, sampling=greedy), timeout=120)
+            r = stub.Verify(request, timeout=120)
             samples.append((time.perf_counter() - t0, r.load))  # paired: one list, so threads never interleave them
             kv, last = r.kv_length, r.output_token_ids[-1]
             rounds[index] += 1  # counted as it goes: a later failure keeps what was measured
@@ -77,7 +113,7 @@ def _worker(stub, gamma: int, prompt_len: int, vocab: int, max_context: int, sec
 
 def _batched_worker(stub, concurrency: int, gamma: int, prompt_len: int, vocab: int, max_context: int,
                     seconds: float, samples: list[tuple], rounds: list[int],
-                    start: threading.Barrier, stream: bool) -> None:
+                    start: threading.Barrier, stream: bool, proposal: str = "ids", top_n: int = 64) -> None:
     """All sessions in one thread: every step is one VerifyBatch of every session's round
     (a call, or a message of one VerifyStream)."""
     rng = random.Random(1000)
@@ -92,6 +128,7 @@ def _batched_worker(stub, concurrency: int, gamma: int, prompt_len: int, vocab: 
         def step(batch: pb.VerifyBatchRequest) -> pb.VerifyBatchResponse:
             return stub.VerifyBatch(batch, timeout=120)
     greedy = pb.SamplingParams(temperature=0.0)
+    made = _Rounds(proposal, gamma, vocab, rng, top_n)
     sids: list[str] = []
     try:
         sids = [stub.OpenSession(pb.OpenSessionRequest(), timeout=60).session_id for _ in range(concurrency)]
@@ -107,9 +144,7 @@ def _batched_worker(stub, concurrency: int, gamma: int, prompt_len: int, vocab: 
             for i, sid in enumerate(sids):
                 if kv[i] + 1 + gamma >= max_context:
                     kv[i], last[i] = prompt_len - 1, prompts[i][-1]
-                batch.requests.append(pb.VerifyRequest(
-                    session_id=sid, truncate_to=kv[i], append_token_ids=[last[i]],
-                    draft_token_ids=[rng.randrange(100, vocab) for _ in range(gamma)], sampling=greedy))
+                batch.requests.append(made.request(sid, kv[i], last[i]))
             t0 = time.perf_counter()
             reply = step(batch)
             elapsed = time.perf_counter() - t0
@@ -151,7 +186,7 @@ def empty_call_ms(address: str, calls: int, **security) -> float | None:
 
 
 def run_level(address: str, concurrency: int, gamma: int, prompt_len: int, seconds: float,
-              front: str = "unary", **security) -> dict:
+              front: str = "unary", proposal: str = "ids", top_n: int = 64, **security) -> dict:
     """security: open_channel's tls and auth_token (a verifier with TLS or tokens)."""
     with open_channel(address, options=CHANNEL_OPTIONS, **security) as channel:
         stub = pb_grpc.VerifierStub(channel)
@@ -167,10 +202,10 @@ def run_level(address: str, concurrency: int, gamma: int, prompt_len: int, secon
             try:
                 if batched:
                     _batched_worker(stub, concurrency, gamma, prompt_len, info.vocab_size, info.max_context, seconds,
-                                    samples, rounds, start, stream=front == "stream")
+                                    samples, rounds, start, stream=front == "stream", proposal=proposal, top_n=top_n)
                 else:
                     _worker(stub, gamma, prompt_len, info.vocab_size, info.max_context, seconds, 1000 + i, samples,
-                            rounds, i, start)
+                            rounds, i, start, proposal=proposal, top_n=top_n)
             except BaseException as exc:  # noqa: BLE001 - reported below
                 errors.append(exc)
 
@@ -211,6 +246,7 @@ def run_level(address: str, concurrency: int, gamma: int, prompt_len: int, secon
         "concurrency": concurrency,
         "gamma": gamma,
         "front": front,
+        "proposal": proposal,
         "rounds": total_rounds,
         "duration_s": round(elapsed, 3),
         "rounds_per_s": round(rounds_per_s, 2),
@@ -254,7 +290,7 @@ def run(args) -> int:
         rows = []
         for c in levels:
             rows.append(run_level(address, c, args.num_speculative_tokens, args.prompt_len, args.seconds,
-                                  front=args.front, **security))
+                                  front=args.front, proposal=args.proposal, top_n=args.top_n, **security))
             base = rows[0]["scored_tokens_per_s"]
             r = rows[-1]
             r["speedup_vs_first"] = round(r["scored_tokens_per_s"] / base, 2) if base else None

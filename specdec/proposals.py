@@ -137,34 +137,68 @@ class ProposalBuilder:
         )
 
 
+@dataclass(frozen=True)
+class DraftQ:
+    """A decoded proposal, as compact as it came: dense q [K, V'] (V' <= the verifier's V; the
+    ids past it have probability 0), or sparse q given by `probs` at `ids` ([K, N] each; the
+    dense row is their scatter-add, so a repeated id sums). Rows need not be normalized:
+    `sums` [K] divides them, as a drafter sampling by inverse CDF samples q / sum. Kept
+    sparse, a sparse q crosses to the device as [B, K, N] and is made dense there."""
+
+    probs: torch.Tensor  # [K, V'] or [K, N] float32, finite, >= 0
+    ids: torch.Tensor | None  # [K, N] int64 in [0, V) for a sparse q; None for a dense one
+    sums: torch.Tensor  # [K], each > 0 and finite
+
+    def at(self, token_ids: list[int]) -> torch.Tensor:
+        """[K] q (unnormalized) of each row's draft token."""
+        tokens = torch.tensor(token_ids, dtype=torch.long)[:, None]  # [K, 1]
+        if self.ids is None:
+            inside = tokens < self.probs.shape[1]
+            return torch.where(inside, self.probs.gather(1, tokens.clamp(max=self.probs.shape[1] - 1)), 0.0)[:, 0]
+        return (self.probs * (self.ids == tokens)).sum(dim=1)
+
+    def dense(self, vocab_size: int) -> torch.Tensor:
+        """[K, V] float32."""
+        if self.ids is None:
+            width = self.probs.shape[1]
+            return self.probs if width == vocab_size else torch.nn.functional.pad(self.probs, (0, vocab_size - width))
+        return torch.zeros(self.probs.shape[0], vocab_size).scatter_add_(1, self.ids, self.probs)
+
+
 def decode_proposal(proposal: Proposal, num_draft: int, vocab_size: int) -> torch.Tensor | None:
     """Dense q [num_draft, V] float32 (rows not necessarily normalized), or None for one-hot."""
+    q = decode_draft_q(proposal, num_draft, vocab_size)
+    return None if q is None else q.dense(vocab_size)
+
+
+def decode_draft_q(proposal: Proposal, num_draft: int, vocab_size: int) -> DraftQ | None:
+    """The proposal checked and decoded (`DraftQ`), or None for one-hot (ids-only)."""
     if proposal.kind == IDS_ONLY:
         return None
     if len(proposal.shape) != 2 or proposal.shape[0] != num_draft:
         raise InvalidArgument("proposal.shape", f"must be [{num_draft}, ...] for {num_draft} draft tokens, got {list(proposal.shape)}")
     probs = _from_bytes(proposal.probs, proposal.dtype, proposal.shape, "proposal.probs").float()
+    ids = None
     if proposal.kind == DENSE:
         # A drafter's LM head may be smaller than this one (padded heads of one tokenizer): its
         # proposal gives the ids past it probability 0.
         if not 1 <= proposal.shape[1] <= vocab_size:
             raise InvalidArgument("proposal.shape", f"dense proposals are [{num_draft}, V] with 1 <= V <= {vocab_size}, "
                                                     f"got {list(proposal.shape)}")
-        q = probs if proposal.shape[1] == vocab_size else torch.nn.functional.pad(probs, (0, vocab_size - proposal.shape[1]))
     elif proposal.kind == SPARSE:
         ids = _from_bytes(proposal.token_ids, "int32", proposal.shape, "proposal.token_ids").long()
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
             raise InvalidArgument("proposal.token_ids", f"ids must be in [0, {vocab_size})")
-        q = torch.zeros(num_draft, vocab_size).scatter_add_(1, ids, probs)
     else:
         raise InvalidArgument("proposal.kind", f"unknown kind {proposal.kind!r}")
-    if not bool(torch.isfinite(q).all()) or bool((q < 0).any()):
+    if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
         raise InvalidArgument("proposal.probs", "probabilities must be finite and >= 0")
-    sums = q.sum(dim=1)
+    sums = probs.sum(dim=1)
     if bool((sums <= 0).any()):
         raise InvalidArgument("proposal.probs", "every row needs positive mass")
     if not bool(torch.isfinite(sums).all()):
         # Finite entries whose float32 sum overflows (rows need not be normalized): q / inf would
         # be 0 at every draft, and u·0 < p accepts them all. The same distribution scaled to a max of 1.
-        q = q / q.amax(dim=1, keepdim=True)
-    return q
+        probs = probs / probs.amax(dim=1, keepdim=True)
+        sums = probs.sum(dim=1)
+    return DraftQ(probs, ids, sums)

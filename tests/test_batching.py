@@ -409,7 +409,7 @@ def test_a_kv_budget_of_two_sessions_is_what_the_verifier_reports_and_admits(tar
 
 
 def test_an_unknown_session_is_refused_before_its_proposal_is_decoded(target_lm, monkeypatch):
-    """Decoding makes a dense [K, V] q of any proposal: 5,000 VerifyBatch entries of 182 bytes
+    """Decoding made a dense [K, V] q of any proposal: 5,000 VerifyBatch entries of 182 bytes
     each (a sparse top-1 proposal, an unknown session) cost the verifier 16.7 s."""
     import verifier_service.engine as verifier_module
     from specdec.errors import SessionNotFound
@@ -418,8 +418,8 @@ def test_an_unknown_session_is_refused_before_its_proposal_is_decoded(target_lm,
     from verifier_service.engine import VerifyCall, VerifierEngine
 
     decoded = []
-    real = verifier_module.decode_proposal
-    monkeypatch.setattr(verifier_module, "decode_proposal", lambda *a, **k: decoded.append(1) or real(*a, **k))
+    real = verifier_module.decode_draft_q
+    monkeypatch.setattr(verifier_module, "decode_draft_q", lambda *a, **k: decoded.append(1) or real(*a, **k))
     vocab = target_lm.vocab_size
     builder = ProposalBuilder(ProposalFormat(kind=SPARSE, top_n=1), vocab)
     draft = [builder.sample(torch.full((vocab,), 1.0 / vocab), 0.5, 7)]

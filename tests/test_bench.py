@@ -291,18 +291,22 @@ def test_sweep_writes_a_png_and_both_modes_per_point(drafter_proc, verifier_proc
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("front", ["unary", "batched", "stream"])
-def test_verifier_bench_reports_the_engine_step_and_the_cost_of_an_empty_call(verifier_proc, tmp_path, front):
+@pytest.mark.parametrize("front,proposal", [("unary", "ids"), ("batched", "sparse"), ("stream", "dense")])
+def test_verifier_bench_reports_the_engine_step_and_the_cost_of_an_empty_call(verifier_proc, tmp_path, front,
+                                                                              proposal):
+    """Each front, and each proposal form: sampled rounds whose drafts the verifier accepts as
+    drawn from the proposal sent (a refused round fails the run)."""
     out = tmp_path / "verifier.json"
     rc = main(["bench", "verifier", "--verifier", verifier_proc.address, "--concurrency", "1,3",
                "--num-speculative-tokens", "2", "--seconds", "1", "--prompt-len", "8", "--empty-calls", "20",
-               "--json", str(out), "--front", front])
+               "--json", str(out), "--front", front, "--proposal", proposal, "--top-n", "8"])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["empty_call_p50_ms"] > 0
     assert [x["concurrency"] for x in res["levels"]] == [1, 3]
     for level in res["levels"]:
-        assert level["front"] == front and level["gamma"] == 2 and level["rounds"] > 0
+        assert level["front"] == front and level["proposal"] == proposal and level["gamma"] == 2
+        assert level["rounds"] > 0
         assert level["scored_tokens_per_s"] == pytest.approx(3 * level["rounds_per_s"], rel=0.01)
         assert level["mean_step_ms"] >= level["mean_device_ms"] > 0
         assert level["p99_round_ms"] >= level["p50_round_ms"] > 0

@@ -218,6 +218,45 @@ def test_a_dense_proposal_of_a_smaller_head_gives_the_ids_past_it_probability_ze
     assert torch.allclose(q[:, :6], probs) and torch.allclose(q.sum(-1), torch.ones(2))
 
 
+def test_a_batchs_sparse_proposals_cross_compact_and_equal_their_dense_rows():
+    """The verifier's q [B, K, V] from sparse proposals of different top-N, one-hot (ids-only)
+    rows and a greedy row, built from [B, K, N] ids + probs, equals each row's own dense q
+    (a dense proposal in the batch takes the dense path; same values), and the row sums are
+    the ones each request computed."""
+    from types import SimpleNamespace
+
+    from specdec.proposals import decode_draft_q
+    from verifier_service.engine import VerifierEngine
+
+    gen = torch.Generator().manual_seed(0)
+    v = 40
+
+    def proposal(kind, k, top_n=8):
+        builder = ProposalBuilder(ProposalFormat(kind=kind, top_n=top_n), v)
+        probs = torch.softmax(torch.randn(k, v, generator=gen) * 3, -1)
+        drafts = [builder.sample(probs[i], float(torch.rand(1, generator=gen)), int(probs[i].argmax()))
+                  for i in range(k)]
+        return SimpleNamespace(q=decode_draft_q(builder.build(), k, v), draft_token_ids=drafts)
+
+    one_hot = SimpleNamespace(q=None, draft_token_ids=[3, 9])
+    greedy = SimpleNamespace(q=None, draft_token_ids=[])
+    engine = SimpleNamespace(lm=SimpleNamespace(vocab_size=v))
+    sparse = [proposal(SPARSE, 4, 8), one_hot, proposal(SPARSE, 3, 2), greedy, proposal(SPARSE, 1, 40)]
+    for reqs in (sparse, sparse + [proposal(DENSE, 2)]):
+        assert (reqs[0].q.ids is not None) and (reqs[-1].q.ids is None) == (len(reqs) == 6)
+        q, q_sums = VerifierEngine._draft_probs(engine, reqs, 4, torch.device("cpu"))
+        assert q.shape == (len(reqs), 4, v) and q_sums.shape == (len(reqs), 4)
+        for i, r in enumerate(reqs):
+            kb = len(r.draft_token_ids)
+            if r.q is None:
+                expected, sums = torch.zeros(kb, v), torch.ones(kb)
+                expected[torch.arange(kb), r.draft_token_ids] = 1.0
+            else:
+                expected, sums = r.q.dense(v), r.q.sums
+            assert torch.equal(q[i, :kb], expected) and torch.equal(q_sums[i, :kb], sums), (i, len(reqs))
+            assert bool((q[i, torch.arange(kb), r.draft_token_ids] > 0).all())
+
+
 class _FakeCache:
     def __init__(self):
         self.length = 0

@@ -476,7 +476,7 @@ def test_prefill_chunks_go_shortest_first_without_starving_a_long_prompt():
     engine = SimpleNamespace(max_batched_tokens=256, config=SimpleNamespace(max_draft_tokens=8))
 
     def req(n: int, drafts: int = 0) -> _Request:
-        return _Request(session=None, append_token_ids=[1] * n, draft_token_ids=[2] * drafts, q=None, q_sums=None,
+        return _Request(session=None, append_token_ids=[1] * n, draft_token_ids=[2] * drafts, q=None,
                         params=None, prompt_length=0)
 
     long, short, decode = req(320), req(40), req(1, drafts=4)

@@ -14,7 +14,7 @@ from specdec import triton_verification
 from specdec.batching import WorkItem
 from specdec.errors import InvalidArgument, SpecDecError
 from specdec.models import Row
-from specdec.proposals import IDS_ONLY, Proposal, decode_proposal
+from specdec.proposals import IDS_ONLY, DraftQ, Proposal, decode_draft_q
 from specdec.sampling import (
     GREEDY, REJECTION, STREAM_VERIFY, SamplingParams, counter_uniforms, process_logits, ranked_logprobs, seed_tensor,
     top_logprobs,
@@ -76,8 +76,7 @@ class _Request:
     session: Session  # held exclusively by the submitting thread, already truncated
     append_token_ids: list[int]  # what is still to append: chunked prefill moves its head into the session
     draft_token_ids: list[int]
-    q: torch.Tensor | None  # [K, V] proposal; None for greedy, typical or one-hot
-    q_sums: torch.Tensor | None  # [K] row sums of q (a drafter sampling by inverse CDF samples q / sum)
+    q: DraftQ | None  # the proposal; None for greedy, typical or one-hot
     params: SamplingParams
     prompt_length: int
     submitted: float = field(default_factory=time.perf_counter)
@@ -198,8 +197,8 @@ class VerifierEngine(ServingModel):
                 cm.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
         return results  # type: ignore[return-value]
 
-    def _check(self, call: VerifyCall) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Every check that needs no session; returns the decoded proposal q [K, V] and its row sums."""
+    def _check(self, call: VerifyCall) -> DraftQ | None:
+        """Every check that needs no session; returns the decoded proposal (None: one-hot or none)."""
         k = len(call.draft_token_ids)
         params = call.params
         self.check_request(call.truncate_to, call.append_token_ids, k, params, draft_field="draft_token_ids",
@@ -210,27 +209,26 @@ class VerifierEngine(ServingModel):
             proposal = call.proposal
             if proposal is None:
                 raise InvalidArgument("proposal", "sampled verification of drafts needs the proposal they were drawn from")
-            # Before the decode, which makes a [K, V] q of any proposal: 182 bytes of a sparse one
-            # for an unknown session cost the server 3 ms each, for nothing.
+            # Before the decode: 182 bytes of a sparse proposal for an unknown session cost the
+            # server 3 ms each when the decode made a [K, V] q, for nothing.
             self.sessions.require(call.session_id)
-            q = decode_proposal(proposal, k, self.lm.vocab_size)
+            q = decode_draft_q(proposal, k, self.lm.vocab_size)
             if proposal.kind == IDS_ONLY and proposal.shape != (k,):
                 raise InvalidArgument("proposal.shape", f"ids-only proposals are [{k}], got {list(proposal.shape)}")
             if q is not None:  # (ids-only: q is one-hot on the draft)
                 # A draft its own proposal gives no mass cannot have been sampled from it; accepting
                 # it (u·q < p holds for any p > 0 when q = 0) would bias the output towards such drafts.
-                q_at_draft = q[torch.arange(k), torch.tensor(call.draft_token_ids, dtype=torch.long)]  # [K]
+                q_at_draft = q.at(call.draft_token_ids)  # [K]
                 if not bool((q_at_draft > 0).all()):
                     i = int((q_at_draft > 0).logical_not().nonzero()[0, 0])
                     raise InvalidArgument("proposal", f"gives draft token {call.draft_token_ids[i]} at position {i} "
                                                       "probability 0: drafts must be sampled from the proposal sent "
                                                       "with them")
-        return q, None if q is None else q.sum(dim=-1)
+        return q
 
     @staticmethod
-    def _request(call: VerifyCall, session: Session, q: tuple) -> _Request:
-        return _Request(session, call.append_token_ids, call.draft_token_ids, q[0], q[1], call.params,
-                        call.prompt_length)
+    def _request(call: VerifyCall, session: Session, q: DraftQ | None) -> _Request:
+        return _Request(session, call.append_token_ids, call.draft_token_ids, q, call.params, call.prompt_length)
 
     def _run_batch(self, items: list[WorkItem]) -> list[WorkItem]:
         """One forward of at most max_batched_tokens tokens. Requests that fit whole are verified;
@@ -344,20 +342,47 @@ class VerifierEngine(ServingModel):
             draws = counter_uniforms(ints[:, k + 1], STREAM_VERIFY, positions)
         q = q_sums = None
         if any(r.q is not None for r in reqs):
-            q = torch.ones(b, k, self.lm.vocab_size)  # [B, K, V]; rows of requests without q are ignored
-            q_sums = torch.ones(b, k)  # [B, K]
-            for i, r in enumerate(reqs):
-                n = num_draft[i]
-                if r.q is not None:
-                    q[i, :n] = r.q
-                    q_sums[i, :n] = r.q_sums
-                else:  # one-hot q of an ids-only proposal: (p - q)+ is p without the draft
-                    q[i, :n] = 0.0
-                    q[i, torch.arange(n), torch.tensor(r.draft_token_ids, dtype=torch.long)] = 1.0
-            q, q_sums = to_device(q, device), to_device(q_sums, device)
+            q, q_sums = self._draft_probs(reqs, k, device)
         return dict(draft_token_ids=drafts, draft_probs=q, num_draft=ints[:, k], draws=draws,
                     methods=[r.params.method for r in reqs], posterior_threshold=floats[:, 0],
                     posterior_alpha=floats[:, 1], q_sums=q_sums)
+
+    def _draft_probs(self, reqs: list[_Request], k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's q [B, K, V] on the device and its row sums [B, K]. Sparse and one-hot rows
+        cross as ids + probs [B, K, N] (N: the widest top-N) and are scattered into a zeroed
+        [B, K, V] there: at B = 32, K = 8 and a 152k vocabulary the dense buffer is 155 MB,
+        which the host would otherwise fill and copy every step. A dense proposal is dense on
+        the wire too; a batch with one goes dense from the host. Positions past K_b hold id 0
+        with mass 1 and are never read; so are the one-hot rows of greedy and typical requests."""
+        b, vocab = len(reqs), self.lm.vocab_size
+        if all(r.q is None or r.q.ids is not None for r in reqs):
+            n = max((r.q.ids.shape[1] for r in reqs if r.q is not None), default=1)
+            ids = torch.zeros(b, k, n, dtype=torch.long)  # [B, K, N]
+            # [B, K, N + 1]: probs | the row's sum, as its request computed it (a sum over the
+            # padded row could round differently with the batch's widest N)
+            probs = torch.zeros(b, k, n + 1)
+            probs[:, :, 0] = probs[:, :, n] = 1.0
+            for i, r in enumerate(reqs):
+                kb = len(r.draft_token_ids)
+                if r.q is not None:
+                    width = r.q.ids.shape[1]
+                    ids[i, :kb, :width], probs[i, :kb, :width], probs[i, :kb, n] = r.q.ids, r.q.probs, r.q.sums
+                else:  # one-hot q of an ids-only proposal: (p - q)+ is p without the draft
+                    ids[i, :kb, 0] = torch.tensor(r.draft_token_ids, dtype=torch.long)
+            ids, probs = to_device(ids, device), to_device(probs, device)
+            q = torch.zeros(b, k, vocab, device=device).scatter_add_(2, ids, probs[:, :, :n])
+            return q, probs[:, :, n]
+        q = torch.ones(b, k, vocab)  # [B, K, V]
+        q_sums = torch.ones(b, k)  # [B, K]
+        for i, r in enumerate(reqs):
+            kb = len(r.draft_token_ids)
+            if r.q is not None:
+                q[i, :kb] = r.q.dense(vocab)
+                q_sums[i, :kb] = r.q.sums
+            else:
+                q[i, :kb] = 0.0
+                q[i, torch.arange(kb), torch.tensor(r.draft_token_ids, dtype=torch.long)] = 1.0
+        return to_device(q, device), to_device(q_sums, device)
 
     def _process_logits(self, reqs: list[_Request], logits: list[torch.Tensor]) -> torch.Tensor:
         """B x [K_b + 1, V] raw logits -> [B, K + 1, V] processed target distributions; rows past
