@@ -14,7 +14,9 @@ from specdec.batching import WorkItem
 from specdec.errors import SpecDecError
 from specdec.models import CausalLM, ModelSpec, Row
 from specdec.proposals import Proposal, ProposalBuilder, ProposalFormat
-from specdec.sampling import STREAM_DRAFT, SamplingParams, position_uniforms, process_logits
+from specdec.sampling import (
+    STREAM_DRAFT, SamplingParams, counter_uniforms, position_uniforms, process_logits, seed_tensor,
+)
 from specdec.serving import DeviceTimer, EngineConfig, EngineLoad, ServingModel, drop_closed
 from specdec.sessions import Session
 from specdec.slot_forward import KVSlot, copy_prefix
@@ -237,15 +239,33 @@ class DrafterEngine(Drafter):
 
     def _propose_rows(self, drafting: list[tuple[_Request, torch.Tensor]]) -> list[torch.Tensor]:
         """Each drafting row's next draft from its logits [1, V], as 0-dim tensors on their
-        device. Greedy rows whose processors change no logit (no penalties, min_tokens or token
-        filters: their draft is the raw argmax) take one argmax over their stack [R, V]; per row,
-        each tensor call is a kernel launch on a GPU. The other rows go one by one."""
+        device. Rows whose processors need no context (no penalties, min_tokens or token
+        filters) go in stacks [R, V]: greedy rows take one argmax over theirs (their draft is
+        the raw argmax); sampled rows that share their sampling parameters and wire format
+        are processed, drawn (the counter hash of every row's seed and position) and turned
+        into wire rows as one stack, each row's values the same as alone (the processors are
+        row-wise). Per row, each tensor call is a kernel launch on a GPU. The other rows go
+        one by one."""
         out: list[torch.Tensor | None] = [None] * len(drafting)
         plain = [i for i, (r, _) in enumerate(drafting) if _argmax_drafts(r.key[0])]
         if plain:
             argmax = torch.cat([drafting[i][1] for i in plain]).argmax(dim=-1)  # [R]
             for j, i in enumerate(plain):
                 out[i] = drafting[i][0].builder.propose(None, None, argmax[j])
+        groups: dict[tuple, list[int]] = {}
+        for i, (r, _) in enumerate(drafting):
+            p = r.key[0]
+            if not (p.greedy or p.min_tokens or p.has_penalties or p.has_token_filters):
+                groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p, r.builder.fmt), []).append(i)
+        for idx in groups.values():
+            reqs = [drafting[i][0] for i in idx]
+            probs = process_logits(torch.cat([drafting[i][1] for i in idx]), reqs[0].key[0])  # [R, V]
+            positions = torch.tensor([[len(r.session.tokens)] for r in reqs])  # [R, 1]: each draft's position
+            u = counter_uniforms(seed_tensor([r.key[3] for r in reqs]), STREAM_DRAFT, positions)[:, 0, 1]  # [R]
+            u = u.to(probs.device)
+            tokens = ProposalBuilder.propose_rows([r.builder for r in reqs], probs, u, probs.argmax(dim=-1))
+            for j, i in enumerate(idx):
+                out[i] = tokens[j]
         for i, (r, row_logits) in enumerate(drafting):
             if out[i] is None:
                 out[i] = self._propose(r.session.tokens, r.key, r.builder, row_logits)

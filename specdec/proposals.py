@@ -116,6 +116,28 @@ class ProposalBuilder:
         self._rows.append(row)
         return token
 
+    @staticmethod
+    def propose_rows(builders: list[ProposalBuilder], probs: torch.Tensor, u: torch.Tensor,
+                     argmax: torch.Tensor) -> torch.Tensor:
+        """`propose` for R rows of one format at once (probs [R, V], u [R] float64, argmax [R]):
+        the wire rows and the tokens [R] are those each row gets alone, in a few tensor calls
+        for all of them instead of a few per row (on a GPU, each is a kernel launch)."""
+        fmt = builders[0].fmt
+        if fmt.kind == IDS_ONLY:
+            return argmax
+        if fmt.kind == DENSE:
+            rows = probs.to(_WIRE_DTYPES[fmt.dtype])  # [R, V]
+            tokens = sample_inverse_cdf(rows.float(), u)
+        else:
+            top_probs, top_ids = torch.topk(probs, min(fmt.top_n, probs.shape[-1]))  # [R, N]
+            rows = (top_probs / top_probs.sum(dim=-1, keepdim=True)).to(_WIRE_DTYPES[fmt.dtype])
+            tokens = top_ids.gather(1, sample_inverse_cdf(rows.float(), u)[:, None])[:, 0]
+            for builder, ids in zip(builders, top_ids.to(torch.int32)):
+                builder._ids.append(ids)
+        for builder, row in zip(builders, rows):
+            builder._rows.append(row)
+        return tokens
+
     def commit(self, token: int) -> None:
         """The token `propose` returned, read back."""
         self._tokens.append(token)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import gc
 import threading
 import time
@@ -434,6 +435,54 @@ def test_an_unknown_session_is_refused_before_its_proposal_is_decoded(target_lm,
         assert decoded  # a live session's proposal is decoded as before
     finally:
         verifier.shutdown()
+
+
+def test_sampled_drafts_of_rows_sharing_a_step_are_what_each_row_drafts_alone(target_lm):
+    """8 seeded sampled sessions draft γ 4 at once: rows that share their sampling parameters
+    and wire format are processed, drawn and turned into wire rows as one stack. Each row's
+    drafts must be those it gets alone (so a seed's output does not depend on its batch
+    mates), for dense, half-precision dense and sparse proposals, beside a penalised row that
+    goes alone and a greedy row; its proposal the same up to float rounding (a batched forward
+    and a sum over [R, V] round differently from one row's on a CPU), and each draft has mass
+    under the proposal sent with it."""
+    from drafter_service.engine import DrafterEngine
+    from specdec.proposals import DENSE, IDS_ONLY, SPARSE, ProposalFormat, decode_proposal
+    from specdec.serving import EngineConfig
+
+    hot = SamplingParams(temperature=1.0, seed=11)
+    shaped = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=12)
+    cases = [(hot, ProposalFormat(DENSE)), (dataclasses.replace(hot, seed=13), ProposalFormat(DENSE)),
+             (hot, ProposalFormat(DENSE, "bfloat16")), (shaped, ProposalFormat(SPARSE, top_n=8)),
+             (dataclasses.replace(shaped, seed=14), ProposalFormat(SPARSE, top_n=8)),
+             (dataclasses.replace(hot, repetition_penalty=1.3), ProposalFormat(SPARSE, top_n=8)),
+             (SamplingParams(temperature=0.0), ProposalFormat(IDS_ONLY)), (shaped, ProposalFormat(DENSE, "float16"))]
+    prompts = [target_lm.tokenizer(PROMPTS[i % 3], add_special_tokens=False).input_ids for i in range(len(cases))]
+    drafter = DrafterEngine(target_lm.spec, EngineConfig(speculation_slots=0, max_draft_tokens=4), lm=target_lm)
+    try:
+        sids = [drafter.open_session() for _ in cases]
+        barrier = threading.Barrier(len(cases))
+
+        def draft(i: int):
+            barrier.wait()
+            return drafter.draft(sids[i], 0, prompts[i], 4, cases[i][0], cases[i][1])
+
+        with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+            together = list(pool.map(draft, range(len(cases))))
+        batches = drafter.snapshot_stats()["batches"]
+        alone = [drafter.draft(drafter.open_session(), 0, prompts[i], 4, *cases[i]) for i in range(len(cases))]
+    finally:
+        drafter.shutdown()
+    assert batches <= len(cases) - 1  # rows shared steps
+    vocab = target_lm.vocab_size
+    for i, (a, b) in enumerate(zip(together, alone)):
+        assert a.draft_token_ids == b.draft_token_ids, i
+        assert (a.proposal.kind, a.proposal.dtype, a.proposal.shape) == (b.proposal.kind, b.proposal.dtype,
+                                                                           b.proposal.shape), i
+        if a.proposal.kind != IDS_ONLY:
+            qa, qb = decode_proposal(a.proposal, 4, vocab), decode_proposal(b.proposal, 4, vocab)
+            assert torch.allclose(qa, qb, rtol=1e-2, atol=1e-5), (i, float((qa - qb).abs().max()))
+            assert bool((qa[torch.arange(4), a.draft_token_ids] > 0).all()), i
+    assert len({tuple(out.draft_token_ids) for out in together[:2]}) == 2  # the seeds matter (power)
 
 
 def test_greedy_drafts_of_rows_sharing_a_step_are_each_rows_own_continuation(target_lm):

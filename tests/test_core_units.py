@@ -167,6 +167,34 @@ def test_proposal_round_trip_matches_what_the_drafter_sampled_from(kind, dtype):
         assert ((q > 0).sum(-1) <= 8).all()
 
 
+@pytest.mark.parametrize("kind,dtype", [(DENSE, "float32"), (DENSE, "bfloat16"), (SPARSE, "float32"),
+                                        (SPARSE, "float16"), (IDS_ONLY, "float32")])
+def test_proposing_rows_at_once_gives_each_row_what_it_gets_alone(kind, dtype):
+    """ProposalBuilder.propose_rows (the drafter's stacked rows) against propose row by row on
+    the same distributions and draws: the same tokens, the same wire rows (up to the rounding
+    of a sum over [R, N] against one over [N]), and each token has mass in its row."""
+    gen = torch.Generator().manual_seed(1)
+    r, v = 6, 300
+    probs = torch.softmax(torch.randn(r, v, generator=gen) * 3, -1)
+    u = torch.rand(r, generator=gen, dtype=torch.float64)
+    fmt = ProposalFormat(kind=kind, dtype=dtype, top_n=16)
+    stacked = [ProposalBuilder(fmt, v) for _ in range(r)]
+    tokens = ProposalBuilder.propose_rows(stacked, probs, u, probs.argmax(dim=-1))
+    for i in range(r):
+        alone = ProposalBuilder(fmt, v)
+        assert int(tokens[i]) == int(alone.propose(probs[i], u[i], probs[i].argmax())), i
+        stacked[i].commit(int(tokens[i]))
+        alone.commit(int(tokens[i]))
+        a, b = stacked[i].build(), alone.build()
+        assert (a.kind, a.shape, a.token_ids) == (b.kind, b.shape, b.token_ids), i
+        if kind != IDS_ONLY:
+            qa, qb = decode_proposal(a, 1, v), decode_proposal(b, 1, v)
+            assert torch.allclose(qa, qb, rtol=1e-2, atol=1e-6) and float(qa[0, int(tokens[i])]) > 0, i
+            if kind == DENSE and dtype == "float32":
+                assert a.probs == b.probs
+    assert len(set(tokens.tolist())) > 1  # different rows, different draws (power)
+
+
 def test_sparse_drafts_are_distributed_as_the_sent_proposal():
     """H0: a sparse-proposal draft token ~ the decoded q. N = 20,000, V = 30, top-N 6."""
     gen = torch.Generator().manual_seed(3)
