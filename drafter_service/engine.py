@@ -243,9 +243,11 @@ class DrafterEngine(Drafter):
         filters) go in stacks [R, V]: greedy rows take one argmax over theirs (their draft is
         the raw argmax); sampled rows that share their sampling parameters and wire format
         are processed, drawn (the counter hash of every row's seed and position) and turned
-        into wire rows as one stack, each row's values the same as alone (the processors are
-        row-wise). Per row, each tensor call is a kernel launch on a GPU. The other rows go
-        one by one."""
+        into wire rows as one stack: the processors are row-wise, so each row gets the draft
+        it gets alone, its wire row up to float rounding (a sum over [R, V] on a CPU rounds
+        unlike one over [1, V]; the verifier's groups are the same), and it is sampled from
+        exactly the row sent. Per row, each tensor call is a kernel launch on a GPU. The
+        other rows go one by one."""
         out: list[torch.Tensor | None] = [None] * len(drafting)
         plain = [i for i, (r, _) in enumerate(drafting) if _argmax_drafts(r.key[0])]
         if plain:

@@ -120,8 +120,9 @@ class ProposalBuilder:
     def propose_rows(builders: list[ProposalBuilder], probs: torch.Tensor, u: torch.Tensor,
                      argmax: torch.Tensor) -> torch.Tensor:
         """`propose` for R rows of one format at once (probs [R, V], u [R] float64, argmax [R]):
-        the wire rows and the tokens [R] are those each row gets alone, in a few tensor calls
-        for all of them instead of a few per row (on a GPU, each is a kernel launch)."""
+        the tokens [R] each row gets alone and its wire row (a sparse row's normalization up
+        to float rounding), in a few tensor calls for all of them instead of a few per row
+        (on a GPU, each is a kernel launch). Each token is sampled from its row as sent."""
         fmt = builders[0].fmt
         if fmt.kind == IDS_ONLY:
             return argmax
