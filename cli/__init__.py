@@ -204,11 +204,6 @@ def _disable_by_batch_size(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, role: str) -> int:
-    # PyTorch's CPU allocator backs allocations of 2 MB and more with transparent huge pages:
-    # a step's [N, V] logits and the verifier's [B, K, V] q are fresh buffers each step, and
-    # first-touching one in 4 KB pages cost more than the work on it (a 50 MB q: 23 ms of page
-    # faults against 5.6 ms with huge pages). Read at the first large allocation; set 0 to opt out.
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     import torch
 
     from specdec.models import ModelSpec
