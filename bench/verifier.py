@@ -52,7 +52,7 @@ class _Rounds:
     VARIANTS = 16
 
     def __init__(self, proposal: str, gamma: int, vocab: int, rng: random.Random, top_n: int = 64) -> None:
-        self.rng, self.vocab, self.gamma, self.kind = rng, vocab, gamma, proposal
+        self.rng, self.vocab, self.gamma = rng, vocab, gamma
         self.sampling = pb.SamplingParams(temperature=0.0 if proposal == "ids" else 1.0)
         self.variants: list[tuple[list[int], pb.Proposal]] = []
         if proposal != "ids" and gamma:

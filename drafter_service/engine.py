@@ -93,7 +93,7 @@ class Drafter(ServingModel):
 
 def _argmax_drafts(params: SamplingParams) -> bool:
     """Greedy, and no processor changes a logit: the draft is the raw logits' argmax."""
-    return params.greedy and not (params.min_tokens or params.has_penalties or params.has_token_filters)
+    return params.greedy and not params.has_own_processors
 
 
 def _read_tokens(tokens: list[torch.Tensor]) -> list[int]:
@@ -257,7 +257,7 @@ class DrafterEngine(Drafter):
         groups: dict[tuple, list[int]] = {}
         for i, (r, _) in enumerate(drafting):
             p = r.key[0]
-            if not (p.greedy or p.min_tokens or p.has_penalties or p.has_token_filters):
+            if not (p.greedy or p.has_own_processors):
                 groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p, r.builder.fmt), []).append(i)
         for idx in groups.values():
             reqs = [drafting[i][0] for i in idx]

@@ -161,6 +161,13 @@ class SamplingParams:
         """logit_bias or allowed_token_ids: processing that changes the raw logits of given ids."""
         return bool(self.logit_bias) or self.allowed_token_ids is not None
 
+    @property
+    def has_own_processors(self) -> bool:
+        """min_tokens, penalties or token filters: processing set by the request's own tokens or
+        lists, so its rows are not processed in a stack with other requests' that share
+        temperature, top_k, top_p and min_p."""
+        return bool(self.min_tokens) or self.has_penalties or self.has_token_filters
+
     def validate(self) -> None:
         def finite(name: str) -> float:
             value = getattr(self, name)

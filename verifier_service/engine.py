@@ -396,8 +396,7 @@ class VerifierEngine(ServingModel):
         b, vocab = len(reqs), self.lm.vocab_size
         widths = [len(r.draft_token_ids) + 1 for r in reqs]
         flat = _join_rows(logits)  # [N, V], N = sum of widths
-        contextual = [i for i, r in enumerate(reqs)
-                      if r.params.min_tokens or r.params.has_penalties or r.params.has_token_filters]
+        contextual = [i for i, r in enumerate(reqs) if r.params.has_own_processors]
         raw = not contextual and all(r.params.greedy and r.params.logprobs is None for r in reqs)
         if not raw:
             starts = [0]
