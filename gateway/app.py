@@ -26,7 +26,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _package_version
 from typing import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -82,154 +82,56 @@ class _Closing(Exception):
     pass
 
 
-def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastAPI:
-    upstream = upstream or Upstream(config.upstream)
-    metrics = GatewayMetrics()
-    started = int(time.time())
+class Gateway:
+    """What the routes share: the upstream, the metrics, and the open streams a shutdown ends.
+    One per app (`app.state.gateway`, as vLLM keeps its engine client in `app.state`)."""
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        connecting = asyncio.create_task(upstream.connect_forever())
-        try:
-            yield
-        finally:
-            connecting.cancel()
-            upstream.stop_connecting()
-            await upstream.close()
+    def __init__(self, config: GatewayConfig, upstream: Upstream) -> None:
+        self.config, self.upstream = config, upstream
+        self.metrics = GatewayMetrics()
+        self.started = int(time.time())
+        self.streams: set[asyncio.Queue] = set()  # the arrival queues of the open streams (_sse)
+        self.closing = asyncio.Event()  # set with `ending` just before a shutdown's grace runs out
+        self.ending: list[APIError] = []
 
-    app = FastAPI(title="specdec OpenAI-compatible gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.upstream, app.state.metrics = upstream, metrics
-    streams: set[asyncio.Queue] = set()  # the arrival queues of the open streams (_sse)
-
-    closing = asyncio.Event()  # set with `ending` just before a shutdown's grace runs out
-    ending: list[APIError] = []
-
-    def end_streams(message: str) -> int:
+    def end_streams(self, message: str) -> int:
         """End every open stream with an error event (then `data: [DONE]`), and answer every
         other request still running 503, just before a shutdown's grace runs out: the server
         would otherwise cut the streams mid-body and answer the rest with a plain-text 500."""
         error = APIError(503, message, type="service_unavailable", code="shutting_down")
-        ending.append(error)
-        closing.set()
-        for arrived in list(streams):
+        self.ending.append(error)
+        self.closing.set()
+        for arrived in list(self.streams):
             arrived.put_nowait((0, error))
-        return len(streams)
+        return len(self.streams)
 
-    app.state.end_streams = end_streams
+    def served_names(self) -> tuple[str, ...]:
+        """--served-model-name, else the verifier's model name without its runtime tag
+        ("[float32+onednn]"), so the id clients send survives a restart with other dtype or kernel
+        flags."""
+        if self.config.served_model_names:
+            return self.config.served_model_names
+        model = self.upstream.require().verifier_info.model
+        return (re.sub(r"\[[^\]]*\]$", "", model) or model,)
 
-    # ---- errors in OpenAI's shape ---------------------------------------------------------------
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = validation_to_api_error(exc)
-        return JSONResponse(err.body(), status_code=err.status)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = "not_found" if exc.status_code == 404 else None
-        err = APIError(exc.status_code, str(exc.detail), code=code)
-        if exc.status_code == 400 and isinstance(exc.__cause__, (ValueError, RecursionError)):
-            # FastAPI's "error parsing the body": bytes that are not UTF-8, nesting past Python's
-            # recursion limit, an integer past its 4,300 digits. Its cause says which.
-            err = bad_request(None, f"malformed JSON body: {str(exc.__cause__)[:200]}", code="invalid_json")
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
-        err = APIError(500, f"internal error: {type(exc).__name__}", type="server_error")
-        return JSONResponse(err.body(), status_code=500)
-
-    # ---- operations -----------------------------------------------------------------------------
-
-    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and curl -I's probe
-    async def health() -> JSONResponse:
-        ok, detail = await upstream.health()
-        return JSONResponse(detail, status_code=200 if ok else 503)
-
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": _VERSION}
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        if upstream.client is not None or config.served_model_names:  # the model's name is known
-            metrics.running.labels(served_names()[0]).set(upstream.running())
-            metrics.waiting.labels(served_names()[0]).set(upstream.waiting())
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def list_models() -> dict:
-        client = await upstream.wait_ready()  # like a completion, while the gateway still connects
-        info = client.verifier_info
-        return models_list(list(served_names()), info.model, info.max_context, started)
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
-        """vLLM's: the ids a completion (prompt) or chat (messages) request would send."""
-        request = body.as_request()
-        client = await upstream.wait_ready()
-        check_model(request.model)
-        if isinstance(request, ChatCompletionRequest):
-            ids = await upstream.encode(messages=request.template_messages(),
-                                        template_options=request.template_options())
-        else:
-            ids = await upstream.encode(prompt=request.prompt, add_special_tokens=request.add_special_tokens)
-        out = {"count": len(ids), "max_model_len": client.verifier_info.max_context, "tokens": ids}
-        if body.return_token_strs:
-            out["token_strs"] = client.tokenizer.convert_ids_to_tokens(ids)
-        return out
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
-        client = await upstream.wait_ready()
-        check_model(body.model)
-        try:
-            client.check_vocab(body.tokens, "tokens")
-        except ValueError as exc:
-            raise bad_request("tokens", str(exc)) from None
-        return {"prompt": client.tokenizer.decode(body.tokens)}
-
-    def check_model(model: str | None) -> str:
-        names = served_names()
+    def check_model(self, model: str | None) -> str:
+        names = self.served_names()
         if model and model not in names:  # "" or None: the first name, as before
-            if not config.served_model_names and model == upstream.require().verifier_info.model:
+            if not self.config.served_model_names and model == self.upstream.require().verifier_info.model:
                 return names[0]  # the tagged name (the id before): answered and counted as the id
             raise APIError(404, f"The model `{model}` does not exist; this server serves {', '.join(names)}.",
                            param="model", code="model_not_found")
         return model or names[0]
 
-    # ---- generation -----------------------------------------------------------------------------
-
-    @app.post(COMPLETIONS)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await generate(request, body, chat=False)
-
-    @app.post(CHAT)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await generate(request, body, chat=True)
-
-    def served_names() -> tuple[str, ...]:
-        """--served-model-name, else the verifier's model name without its runtime tag
-        ("[float32+onednn]"), so the id clients send survives a restart with other dtype or kernel
-        flags."""
-        if config.served_model_names:
-            return config.served_model_names
-        model = upstream.require().verifier_info.model
-        return (re.sub(r"\[[^\]]*\]$", "", model) or model,)
-
-    async def generate(request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> Response:
+    async def generate(self, request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> Response:
+        upstream, metrics = self.upstream, self.metrics
         endpoint = CHAT if chat else COMPLETIONS
         body.refuse_unsupported()
         try:  # arriving while the gateway still connects upstream: wait for it, bounded (then 503)
             client = await _race(request, upstream.wait_ready())
         except _ClientGone:
             return Response(status_code=CLIENT_CLOSED)
-        model = check_model(body.model)
+        model = self.check_model(body.model)
         n = body.n or 1
         raw_prompts = [None] if chat else body.prompts()
         # Counted before any prompt is tokenized (3,000 long prompts took 11 s to refuse); the
@@ -238,7 +140,7 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
         if len(raw_prompts) * n > MAX_CHOICES:
             raise bad_request(field, f"prompts x n = {len(raw_prompts)} x {n} is more than {MAX_CHOICES} generations "
                                      "in one request")
-        slots = config.upstream.max_concurrent_requests
+        slots = self.config.upstream.max_concurrent_requests
         if len(raw_prompts) * n > slots:  # its last choices would wait for its first ones' slots, then 503
             raise bad_request(field, f"prompts x n = {len(raw_prompts)} x {n} generations is more than this gateway "
                                      f"runs at once (--max-concurrent-requests {slots})")
@@ -272,17 +174,17 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
                 runs.append(_Choice(upstream.start(ids, params), metrics.timer(model, endpoint), len(ids) if first else 0))
             # Every choice's first round before the answer: a verifier that is down is a 503,
             # not a 200 stream with an error in it.
-            firsts = await _race(request, asyncio.gather(*(_next(r.gen, r.timer) for r in runs)), closing)
+            firsts = await _race(request, asyncio.gather(*(_next(r.gen, r.timer) for r in runs)), self.closing)
             if any(first is None for first in firsts):
                 raise APIError(500, "the generation ended without a result", type="server_error")
             if body.stream:
                 # The background task runs once the stream ends, also when Starlette cancels it
                 # because the client left: the generations stop even before _sse is finalized.
-                return StreamingResponse(_sse(runs, firsts, builder, streams), media_type="text/event-stream",
+                return StreamingResponse(_sse(runs, firsts, builder, self.streams), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                          background=BackgroundTask(_cancel, runs))
             results = await _race(request, asyncio.gather(*(_rest(r.gen, f, r.timer) for r, f in zip(runs, firsts))),
-                                  closing)
+                                  self.closing)
         except _ClientGone:
             _cancel(runs)
             _finish(runs, builder, None, "abort")
@@ -290,7 +192,7 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
         except _Closing:
             _cancel(runs)
             _finish(runs, builder, None, "abort")
-            raise ending[0] from None
+            raise self.ending[0] from None
         except BaseException as exc:
             _cancel(runs)
             if runs:
@@ -302,8 +204,137 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
         _finish(runs, builder, results)
         return JSONResponse(builder.response(results))
 
-    app.add_middleware(_FrontDoor, api_key=config.api_key, metrics=metrics, max_request_bytes=config.max_request_bytes)
+
+def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastAPI:
+    gateway = Gateway(config, upstream or Upstream(config.upstream))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        connecting = asyncio.create_task(gateway.upstream.connect_forever())
+        try:
+            yield
+        finally:
+            connecting.cancel()
+            gateway.upstream.stop_connecting()
+            await gateway.upstream.close()
+
+    app = FastAPI(title="specdec OpenAI-compatible gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.gateway = gateway
+    app.include_router(router)
+    for exc_class, handler in _ERROR_HANDLERS.items():
+        app.add_exception_handler(exc_class, handler)
+    app.add_middleware(_FrontDoor, api_key=config.api_key, metrics=gateway.metrics,
+                       max_request_bytes=config.max_request_bytes)
     return app
+
+
+def _gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+# ---- errors in OpenAI's shape -------------------------------------------------------------------
+
+
+async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    err = validation_to_api_error(exc)
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    code = "not_found" if exc.status_code == 404 else None
+    err = APIError(exc.status_code, str(exc.detail), code=code)
+    if exc.status_code == 400 and isinstance(exc.__cause__, (ValueError, RecursionError)):
+        # FastAPI's "error parsing the body": bytes that are not UTF-8, nesting past Python's
+        # recursion limit, an integer past its 4,300 digits. Its cause says which.
+        err = bad_request(None, f"malformed JSON body: {str(exc.__cause__)[:200]}", code="invalid_json")
+    return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s", request.url.path)
+    err = APIError(500, f"internal error: {type(exc).__name__}", type="server_error")
+    return JSONResponse(err.body(), status_code=500)
+
+
+_ERROR_HANDLERS = {APIError: _api_error, RequestValidationError: _validation_error,
+                   StarletteHTTPException: _http_error, Exception: _internal_error}
+
+
+# ---- routes -------------------------------------------------------------------------------------
+
+router = APIRouter()
+
+
+@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and curl -I's probe
+async def health(request: Request) -> JSONResponse:
+    ok, detail = await _gateway(request).upstream.health()
+    return JSONResponse(detail, status_code=200 if ok else 503)
+
+
+@router.get("/version")
+async def version() -> dict:
+    return {"version": _VERSION}
+
+
+@router.get("/metrics")
+async def prometheus(request: Request) -> Response:
+    gw = _gateway(request)
+    if gw.upstream.client is not None or gw.config.served_model_names:  # the model's name is known
+        name = gw.served_names()[0]
+        gw.metrics.running.labels(name).set(gw.upstream.running())
+        gw.metrics.waiting.labels(name).set(gw.upstream.waiting())
+    return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    gw = _gateway(request)
+    client = await gw.upstream.wait_ready()  # like a completion, while the gateway still connects
+    info = client.verifier_info
+    return models_list(list(gw.served_names()), info.model, info.max_context, gw.started)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    """vLLM's: the ids a completion (prompt) or chat (messages) request would send."""
+    gw = _gateway(request)
+    parsed = body.as_request()
+    client = await gw.upstream.wait_ready()
+    gw.check_model(parsed.model)
+    if isinstance(parsed, ChatCompletionRequest):
+        ids = await gw.upstream.encode(messages=parsed.template_messages(), template_options=parsed.template_options())
+    else:
+        ids = await gw.upstream.encode(prompt=parsed.prompt, add_special_tokens=parsed.add_special_tokens)
+    out = {"count": len(ids), "max_model_len": client.verifier_info.max_context, "tokens": ids}
+    if body.return_token_strs:
+        out["token_strs"] = client.tokenizer.convert_ids_to_tokens(ids)
+    return out
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    gw = _gateway(request)
+    client = await gw.upstream.wait_ready()
+    gw.check_model(body.model)
+    try:
+        client.check_vocab(body.tokens, "tokens")
+    except ValueError as exc:
+        raise bad_request("tokens", str(exc)) from None
+    return {"prompt": client.tokenizer.decode(body.tokens)}
+
+
+@router.post(COMPLETIONS)
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await _gateway(request).generate(request, body, chat=False)
+
+
+@router.post(CHAT)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await _gateway(request).generate(request, body, chat=True)
 
 
 def validation_to_api_error(exc: RequestValidationError) -> APIError:
@@ -398,7 +429,7 @@ async def _sse(runs: list[_Choice], firsts: list[StreamChunk], builder: Response
     """One `data: {json}` event per body, then `data: [DONE]`; the choices' chunks go out in
     the order their rounds arrive. A disconnect cancels this generator at its await
     (Starlette watches the connection), which cancels the generations. `streams` holds
-    its arrival queue while it runs: an APIError put there ends it (the app's end_streams)."""
+    its arrival queue while it runs: an APIError put there ends it (Gateway.end_streams)."""
     arrived: asyncio.Queue = asyncio.Queue()
     streams.add(arrived)
 

@@ -75,4 +75,4 @@ def serve(config: GatewayConfig, host: str = "127.0.0.1", port: int = 8000, *, g
     announce = (f"gateway listening on {host}:{bound} url={scheme}://{host}:{bound}/v1 "
                 f"verifier={config.upstream.verifier} "
                 f"drafter={config.upstream.drafter} model={names} auth={config.api_key is not None}")
-    _Server(uv_config, announce, app.state.end_streams).run(sockets=[sock])
+    _Server(uv_config, announce, app.state.gateway.end_streams).run(sockets=[sock])
