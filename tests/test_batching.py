@@ -437,6 +437,21 @@ def test_an_unknown_session_is_refused_before_its_proposal_is_decoded(target_lm,
         verifier.shutdown()
 
 
+def _draft_together(drafter, calls: list[tuple]) -> list:
+    """Each (prompt, params[, format]) drafts γ 4 in a fresh session, all released at once
+    from threads so that their rows can share the drafter's steps."""
+    sids = [drafter.open_session() for _ in calls]
+    barrier = threading.Barrier(len(calls))
+
+    def draft(i: int):
+        barrier.wait()
+        prompt, *sampling = calls[i]
+        return drafter.draft(sids[i], 0, prompt, 4, *sampling)
+
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(draft, range(len(calls))))
+
+
 def test_sampled_drafts_of_rows_sharing_a_step_are_what_each_row_drafts_alone(target_lm):
     """8 seeded sampled sessions draft γ 4 at once: rows that share their sampling parameters
     and wire format are processed, drawn and turned into wire rows as one stack. Each row's
@@ -459,15 +474,7 @@ def test_sampled_drafts_of_rows_sharing_a_step_are_what_each_row_drafts_alone(ta
     prompts = [target_lm.tokenizer(PROMPTS[i % 3], add_special_tokens=False).input_ids for i in range(len(cases))]
     drafter = DrafterEngine(target_lm.spec, EngineConfig(speculation_slots=0, max_draft_tokens=4), lm=target_lm)
     try:
-        sids = [drafter.open_session() for _ in cases]
-        barrier = threading.Barrier(len(cases))
-
-        def draft(i: int):
-            barrier.wait()
-            return drafter.draft(sids[i], 0, prompts[i], 4, cases[i][0], cases[i][1])
-
-        with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
-            together = list(pool.map(draft, range(len(cases))))
+        together = _draft_together(drafter, [(prompts[i], *cases[i]) for i in range(len(cases))])
         batches = drafter.snapshot_stats()["batches"]
         alone = [drafter.draft(drafter.open_session(), 0, prompts[i], 4, *cases[i]) for i in range(len(cases))]
     finally:
@@ -498,15 +505,7 @@ def test_greedy_drafts_of_rows_sharing_a_step_are_each_rows_own_continuation(tar
     params = [penalised if i == 2 else greedy for i in range(6)]
     drafter = DrafterEngine(target_lm.spec, EngineConfig(speculation_slots=0, max_draft_tokens=4), lm=target_lm)
     try:
-        sids = [drafter.open_session() for _ in prompts]
-        barrier = threading.Barrier(len(prompts))
-
-        def draft(i: int) -> list[int]:
-            barrier.wait()
-            return list(drafter.draft(sids[i], 0, prompts[i], 4, params[i]).draft_token_ids)
-
-        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            together = list(pool.map(draft, range(len(prompts))))
+        together = [list(out.draft_token_ids) for out in _draft_together(drafter, list(zip(prompts, params)))]
         alone = list(drafter.draft(drafter.open_session(), 0, prompts[2], 4, penalised).draft_token_ids)
         batches = drafter.snapshot_stats()["batches"]
     finally:
