@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -77,14 +78,17 @@ class Drafter(ServingModel):
         prompt_length: int = 0,
         owner: str | None = None,
         fanout: int = 0,
+        alive: Callable[[], bool] | None = None,
     ) -> DraftOut:
         """Validates (before the session is touched), holds the session, waits for its batch.
-        fanout > 0: afterwards pre-draft the next round for that many bonus candidates."""
+        fanout > 0: afterwards pre-draft the next round for that many bonus candidates.
+        alive: whether the caller still waits (its gRPC call's `is_active`): a call given up on
+        stops at its next step."""
         self.check_request(truncate_to, append_token_ids, num_draft_tokens, params, prompt_length=prompt_length,
                            fanout=fanout)
         with self.sessions.use(session_id, truncate_to, owner) as session:
             return self.submit(self._request(session, append_token_ids, num_draft_tokens, params, fmt, prompt_length,
-                                             fanout))
+                                             fanout), alive)
 
     def _request(self, session: Session, append_token_ids: list[int], num_draft_tokens: int, params: SamplingParams,
                  fmt: ProposalFormat, prompt_length: int, fanout: int) -> object:

@@ -35,6 +35,7 @@ class DrafterServicer(SessionMethods, pb_grpc.DrafterServicer):
             prompt_length=request.prompt_length,
             owner=caller_owner(context),  # someone else's session is NOT_FOUND
             fanout=request.fanout,
+            alive=context.is_active,  # a call given up on (cancelled, past its deadline) stops drafting
         )
         return pb.DraftResponse(draft_token_ids=out.draft_token_ids, proposal=proposal_to_pb(out.proposal),
                                 kv_length=out.kv_length, cached_draft_tokens=out.cached_draft_tokens,

@@ -70,6 +70,9 @@ class WorkItem:
     payload: Any
     future: Future = field(default_factory=Future)
     gathered: bool = False  # part of a client's step message: a shorter batching wait (module doc)
+    # Whether its caller still waits for the result (gRPC: the call is active); None: always.
+    # The engine drops an item whose caller is gone before its next step (serving.drop_closed).
+    alive: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -109,14 +112,16 @@ class BatchScheduler:
         self._thread = threading.Thread(target=self._loop, name=f"{name}-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, payload: Any) -> Any:
+    def submit(self, payload: Any, alive: Callable[[], bool] | None = None) -> Any:
         """Queue one item and block until its batch ran; exceptions propagate to the caller."""
-        return self.submit_many([payload])[0].result()
+        return self.submit_many([payload], alive=alive)[0].result()
 
-    def submit_many(self, payloads: list[Any], gathered: bool = False) -> list[Future]:
+    def submit_many(self, payloads: list[Any], gathered: bool = False,
+                    alive: Callable[[], bool] | None = None) -> list[Future]:
         """Queue several items at once (one client step of many sessions); they can share a
-        batch. The caller waits on the returned futures. gathered: a client's step message."""
-        items = [WorkItem(p, gathered=gathered) for p in payloads]
+        batch. The caller waits on the returned futures. gathered: a client's step message;
+        alive: whether its caller still waits (WorkItem.alive)."""
+        items = [WorkItem(p, gathered=gathered, alive=alive) for p in payloads]
         for item in items:
             self._queue.put(item)
         if self.error is not None:  # after the put: the dying thread's sweep may have run already

@@ -33,6 +33,11 @@ class SessionBusy(SpecDecError):
     """Another call on the same session is in flight (FAILED_PRECONDITION)."""
 
 
+class CallCancelled(SpecDecError):
+    """The caller gave up on its call (cancelled it, or its deadline passed) before the engine
+    finished it: the rest of its work is dropped (CANCELLED; counted apart from engine failures)."""
+
+
 class ResourceExhausted(SpecDecError):
     """No room for another session or for the requested length (RESOURCE_EXHAUSTED)."""
 

@@ -604,9 +604,11 @@ class CausalLM:
                  ", ".join(sorted(flags & (native["float16"] | native["bfloat16"]))) or "without native fp16/bf16")
         return choice
 
-    def new_cache(self) -> KVSlot | Any:
+    def new_cache(self, wait_s: float = 0.0) -> KVSlot | Any:
+        """A session's cache. wait_s: with the fast path's pool, how long to wait for a slot
+        that a call still in flight holds (SlotPool.acquire)."""
         if self.pool is not None:
-            return self.pool.acquire()
+            return self.pool.acquire(wait_s)
         if self.slots is not None:
             return self.slots.new_slot()
         from transformers import DynamicCache
@@ -716,7 +718,7 @@ class TokenOnlyLM:
         self.tokenizer_fingerprint = tokenizer_fingerprint(self.tokenizer)
 
     @staticmethod
-    def new_cache() -> None:
+    def new_cache(wait_s: float = 0.0) -> None:
         return None
 
     def configure_pool(self, num_slots: int, max_batch: int = 32, max_width: int = 32,

@@ -14,11 +14,12 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from specdec.batching import BatchPolicy, BatchScheduler, WorkItem
-from specdec.errors import InvalidArgument, OutOfRange, ResourceExhausted, SessionClosed
+from specdec.errors import CallCancelled, InvalidArgument, OutOfRange, ResourceExhausted, SessionClosed
 from specdec.models import CausalLM, ModelSpec, device_uuid, tokenizer_source
 from specdec.sampling import SamplingParams, TokenContext, check_min_tokens
 from specdec.sessions import SessionStore
@@ -121,6 +122,10 @@ class StepPhases:
         return self.sums_ms[phase] / n if n else 0.0
 
 
+# A new session waits this long for a KV slot of the fast path's pool that a closed session's
+# call still holds (SlotPool.acquire): such a call ends within a step.
+SESSION_SLOT_WAIT_S = 2.0
+
 RUNNING_WINDOW_S = 2.0  # a session that called within this many seconds counts as running
 
 
@@ -198,20 +203,27 @@ DEFAULT_BATCHED_TOKENS = {"cpu": 256, "cuda": 2048}
 
 def _failure_counter(exc: BaseException) -> str:
     """A call its client gave up on is no engine failure (alerts watch failed_requests)."""
-    return "cancelled_requests" if isinstance(exc, SessionClosed) else "failed_requests"
+    return "cancelled_requests" if isinstance(exc, (SessionClosed, CallCancelled)) else "failed_requests"
 
 
 def drop_closed(items: list[WorkItem]) -> list[WorkItem]:
-    """The items whose session is still open; the others fail NOT_FOUND without running. A
-    client that gives up on a generation (a cancelled HTTP request) closes its sessions, and a
-    long prompt's chunked prefill would otherwise run to its end, step after step, ahead of
-    everyone else's rounds (8 abandoned 1,800-token prompts kept a CPU verifier busy for 50 s)."""
+    """The items whose session is still open and whose caller still waits; the others fail
+    without running (NOT_FOUND, CANCELLED), and a failed call crops its session back to where
+    it started (SessionStore.use). A client that gives up on a generation (a cancelled HTTP
+    request) closes its sessions, and a long prompt's chunked prefill would otherwise run to
+    its end, step after step, ahead of everyone else's rounds (8 abandoned 1,800-token prompts
+    kept a CPU verifier busy for 50 s). A call whose deadline passed, or that its client
+    cancelled, went on the same way and held its session meanwhile: a retry on it was refused
+    FAILED_PRECONDITION until the dead call's prefill ended."""
     live = []
     for item in items:
         session = item.payload.session
         if session.closed:
             item.future.set_exception(SessionClosed(f"session {session.session_id} was closed while its call was in "
                                                     "flight"))
+        elif item.alive is not None and not item.alive():
+            item.future.set_exception(CallCancelled(f"session {session.session_id}: the call was cancelled or its "
+                                                    "deadline passed before it finished"))
         else:
             live.append(item)
     return live
@@ -246,7 +258,8 @@ class ServingModel:
         budget = None if config.kv_budget_mb is None else int(config.kv_budget_mb * 2**20)
         max_sessions = self._configure_pool(config, budget)
         self.sessions = SessionStore(
-            self.lm.new_cache, self.lm.crop, max_sessions=max_sessions, ttl_s=config.session_ttl_s,
+            lambda: self.lm.new_cache(SESSION_SLOT_WAIT_S), self.lm.crop, max_sessions=max_sessions,
+            ttl_s=config.session_ttl_s,
             evict_after_idle_s=config.evict_after_idle_s,
             kv_budget_bytes=budget, cache_bytes=self.lm.cache_bytes, on_remove=self._session_removed,
         )
@@ -370,24 +383,25 @@ class ServingModel:
         if bad:
             raise InvalidArgument(field, f"token id {bad[0]} is outside [0, {vocab})")
 
-    def submit(self, payload) -> object:
-        """Queue one request for the next batch and wait for its result (exceptions propagate)."""
+    def submit(self, payload, alive: Callable[[], bool] | None = None) -> object:
+        """Queue one request for the next batch and wait for its result (exceptions propagate).
+        alive: whether the caller still waits (a gRPC call's `is_active`); None: always."""
         session = getattr(payload, "session", None)
         if session is not None:
             self.running.touch([session.session_id], time.monotonic())
         try:
-            result = self.scheduler.submit(payload)
+            result = self.scheduler.submit(payload, alive)
         except BaseException as exc:
             self.stats.add(**{_failure_counter(exc): 1})
             raise
         self.stats.add(requests=1)
         return result
 
-    def queue_many(self, payloads: list) -> list[Future]:
+    def queue_many(self, payloads: list, alive: Callable[[], bool] | None = None) -> list[Future]:
         """`submit` for several requests at once (one client step of many sessions), every one
         queued before any is waited for, so they share a step; `collect` waits."""
         self.running.touch([p.session.session_id for p in payloads if getattr(p, "session", None)], time.monotonic())
-        return self.scheduler.submit_many(payloads, gathered=True)
+        return self.scheduler.submit_many(payloads, gathered=True, alive=alive)
 
     def collect(self, futures: list[Future]) -> list[object]:
         """Per future of `queue_many`, its result or the exception it raised (counted)."""

@@ -16,8 +16,10 @@ weights and dominates decode cost. Attention runs per row against that row's slo
 from __future__ import annotations
 
 import collections
+import gc
 import math
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -67,7 +69,9 @@ class SlotPool:
         self.data = torch.zeros((num_slots + 1, num_layers, 2, num_kv_heads, max_len, head_dim),
                                 dtype=dtype, device=device)
         self._free = collections.deque(range(num_slots))
-        self._lock = threading.Lock()
+        # Re-entrant: a slot's finalizer may run (and return it) in this thread while it holds
+        # the lock, when a garbage collection fires inside acquire.
+        self._freed = threading.Condition(threading.RLock())
 
     @property
     def scratch(self) -> int:
@@ -75,22 +79,37 @@ class SlotPool:
 
     @property
     def free_slots(self) -> int:
-        with self._lock:
+        with self._freed:
             return len(self._free)
 
-    def acquire(self) -> KVSlot:
-        with self._lock:
-            index = self._free.popleft() if self._free else None
+    def acquire(self, wait_s: float = 0.0) -> KVSlot:
+        """A free slot; when none is, wait up to `wait_s` for one. A session closed or evicted
+        while its call is in flight keeps its slot until that call ends, within a step: a new
+        session opened meanwhile on a full server waits for it instead of being refused (the
+        client retried later, and the refusal named --max-sessions, which was not the cause)."""
+        deadline = time.monotonic() + wait_s
+        collected = False
+        while True:
+            with self._freed:
+                if not self._free and wait_s > 0:
+                    self._freed.wait(max(0.0, min(deadline - time.monotonic(), 0.05)))
+                index = self._free.popleft() if self._free else None
+            if index is not None or time.monotonic() >= deadline:
+                break
+            if not collected:  # a slot in a reference cycle (a traceback's frames) returns only with a collection
+                gc.collect()
+                collected = True
         if index is None:  # raised outside the lock: a collection here may run a slot's finalizer
-            raise ResourceExhausted(f"all {self.num_slots} KV slots of the pool are in use; raise --max-sessions "
-                                    "(the pool holds max sessions + speculation slots + 1)")
+            raise ResourceExhausted(f"all {self.num_slots} KV slots of the pool are held (sessions, speculation "
+                                    "branches, and closed sessions whose calls have not ended yet); retry later")
         slot = KVSlot(self.data[index], index=index)
         weakref.finalize(slot, self._release, index)
         return slot
 
     def _release(self, index: int) -> None:
-        with self._lock:
+        with self._freed:
             self._free.append(index)
+            self._freed.notify()
 
 
 def copy_prefix(dst: KVSlot, src: KVSlot, length: int) -> None:

@@ -13,8 +13,8 @@ from typing import Callable
 
 import grpc
 
-from specdec.errors import (EngineStopped, InvalidArgument, OutOfRange, ResourceExhausted, SessionBusy, SessionNotFound,
-                            SpecDecError)
+from specdec.errors import (CallCancelled, EngineStopped, InvalidArgument, OutOfRange, ResourceExhausted, SessionBusy,
+                            SessionNotFound, SpecDecError)
 from specdec.proposals import DENSE, IDS_ONLY, SPARSE, Proposal, ProposalFormat
 from specdec.sampling import SamplingParams, check_id_list_length
 from specdec.serving import EngineLoad, ModelInfo, ServingModel
@@ -38,6 +38,7 @@ STATUS_OF = {
     SessionBusy: grpc.StatusCode.FAILED_PRECONDITION,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     EngineStopped: grpc.StatusCode.UNAVAILABLE,
+    CallCancelled: grpc.StatusCode.CANCELLED,
 }
 _KIND_TO_PB = {DENSE: pb.DENSE, SPARSE: pb.SPARSE_TOP_N, IDS_ONLY: pb.IDS_ONLY}
 _KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
@@ -272,11 +273,16 @@ def serve(
     tls = TLSFiles(cert=tls_cert, key=tls_key, ca=tls_ca)
     auth_tokens = tuple(load_tokens(auth_token_file)) if auth_token_file else ()
     ops = ServerOps(engine, auth_tokens=auth_tokens, metrics_port=metrics_port)
-    # Each in-flight call holds a worker while its batch runs: a full batch needs a full batch
-    # of workers, plus room for session and stats calls; and each long-lived stream holds one
-    # for its life (`stream_workers`, the most the servicer admits), apart from those: streams
-    # that took them all wedged the server, health checks included.
-    workers = max_workers or 2 * engine.config.max_batch_size + 8 + stream_workers
+    # A unary call holds a worker from its arrival until its round is answered, queued and
+    # prefill steps included, and every admitted session may have one in flight: one worker
+    # per session, so that health checks, CloseSession and GetStats never queue behind rounds
+    # (with 2 x --max-batch-size + 8 workers, 200 sessions prefilling kept a health check
+    # waiting 6 s: long enough for a liveness probe to restart a busy replica). Then room for
+    # VerifyBatch calls (each holds one while its step runs) and those session and stats calls;
+    # and each long-lived stream holds one for its life (`stream_workers`, the most the
+    # servicer admits), apart from those: streams that took them all wedged the server.
+    # Threads start only as calls need them.
+    workers = max_workers or engine.info.max_sessions + 2 * engine.config.max_batch_size + 8 + stream_workers
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
                          options=CHANNEL_OPTIONS + SERVER_OPTIONS, interceptors=ops.interceptors())
     add_servicer(server)

@@ -382,6 +382,38 @@ def test_kv_budget_evicts_least_recently_used_and_refuses_oversized_sessions():
         tiny.open()
 
 
+def test_a_full_slot_pool_hands_a_waiting_open_the_slot_a_finishing_call_returns():
+    """A session closed while its call is in flight keeps its KV slot until that call ends (its
+    last reference). A new session's open on a full server (acquire with a wait) gets the slot
+    once it returns, also when only a garbage collection frees it (a reference cycle, as a
+    traceback's frames make); without a wait, or past it, the refusal names what holds them."""
+    import gc
+
+    from specdec.slot_forward import SlotPool
+
+    pool = SlotPool(1, num_layers=1, num_kv_heads=1, max_len=4, head_dim=2, dtype=torch.float32, device="cpu")
+    held = [pool.acquire()]
+    with pytest.raises(ResourceExhausted, match="closed sessions whose calls have not ended yet"):
+        pool.acquire()
+    threading.Timer(0.2, held.clear).start()  # the in-flight call ends
+    slot = pool.acquire(wait_s=10)
+    assert slot.index == 0 and pool.free_slots == 0
+    gc.disable()  # only acquire's own collection may free it
+    try:
+        cycle: dict = {"slot": slot}
+        cycle["cycle"] = cycle
+        del slot, cycle
+        assert pool.free_slots == 0
+        assert pool.acquire(wait_s=10).index == 0
+    finally:
+        gc.enable()
+    kept = pool.acquire(wait_s=10)
+    start = time.monotonic()
+    with pytest.raises(ResourceExhausted):
+        pool.acquire(wait_s=0.3)
+    assert time.monotonic() - start >= 0.3 and kept.index == 0
+
+
 def test_concurrent_opens_into_a_full_store_each_evict_an_idle_session_from_a_pool_of_cap_plus_one():
     """A slot pool holds max_sessions + 1 slots (the fast path's): a slot frees when its last
     reference dies, as SlotPool's do. With the store full of idle sessions, 4 opens at once must

@@ -22,7 +22,7 @@ from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.serving import ModelInfo
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
-from tests.conftest import chi_square_pvalue, free_port
+from tests.conftest import chi_square_pvalue, free_port, wait_for
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n", "Once upon a time, in a small village,"]
 GREEDY = pb.SamplingParams(temperature=0.0)
@@ -466,6 +466,50 @@ def test_closing_a_session_drops_the_rest_of_its_calls_prefill(verifier_stub, dr
     assert service.GetStats(pb.StatsRequest()).forwards == after.forwards  # nothing more ran for it
     # A client giving up is no engine failure (alerts watch failed_requests).
     assert (after.cancelled_requests, after.failed_requests) == (stats.cancelled_requests + 1, stats.failed_requests)
+
+
+@pytest.mark.parametrize("stub", ["verifier", "drafter"])
+def test_a_call_its_client_cancelled_stops_its_prefill_and_frees_its_session(verifier_stub, drafter_stub, client, stub):
+    """A caller that gives up on a call (cancels it, or its deadline passes) without closing
+    the session: the rest of the call's chunked prefill is dropped and the session is free at
+    once, cropped back to where the call started. Before, the dead call prefilled on to its
+    end, and a retry on the session was refused FAILED_PRECONDITION meanwhile."""
+    service = verifier_stub if stub == "verifier" else drafter_stub
+    ids = client.encode_prompt("a long shared document about nothing in particular " * 200)[:1800]
+    chunks = -(-len(ids) // 256)  # the CPU's default --max-num-batched-tokens
+    sampling = pb.SamplingParams(temperature=0)
+
+    def call(sid: str, append: list[int]):
+        if stub == "verifier":
+            return service.Verify.future(pb.VerifyRequest(session_id=sid, truncate_to=0, append_token_ids=append,
+                                                          sampling=sampling))
+        return service.Draft.future(pb.DraftRequest(session_id=sid, truncate_to=0, append_token_ids=append,
+                                                    num_draft_tokens=2, sampling=sampling))
+
+    sid = service.OpenSession(pb.OpenSessionRequest()).session_id
+    before = service.GetStats(pb.StatsRequest())
+    dead = call(sid, ids)
+    wait_for(lambda: service.GetStats(pb.StatsRequest()).forwards > before.forwards, 60, "the prefill's first chunk")
+    dead.cancel()
+    short = ids[:5]
+    deadline = time.monotonic() + 30
+    while True:  # the server drops the dead call at its next step
+        try:
+            retried = call(sid, short).result(timeout=60)
+            break
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION and time.monotonic() < deadline, exc
+            time.sleep(0.01)
+    after = service.GetStats(pb.StatsRequest())
+    # A client giving up is no engine failure (alerts watch failed_requests).
+    assert (after.cancelled_requests, after.failed_requests) == (before.cancelled_requests + 1, before.failed_requests)
+    fresh = call(service.OpenSession(pb.OpenSessionRequest()).session_id, short).result(timeout=60)
+    retry_forwards = service.GetStats(pb.StatsRequest()).forwards - after.forwards  # what the retry's call ran
+    assert 1 <= after.forwards - before.forwards - retry_forwards <= chunks // 2  # the dead prefill stopped early
+    # Cropped back to 0 before the retry appended (a drafter's length also counts its first draft).
+    assert retried.kv_length == fresh.kv_length == len(short) + (stub == "drafter")
+    field = "output_token_ids" if stub == "verifier" else "draft_token_ids"
+    assert list(getattr(retried, field)) == list(getattr(fresh, field))
 
 
 @pytest.mark.slow

@@ -504,6 +504,42 @@ async def _aenumerate(items):
         i += 1
 
 
+def test_health_and_session_calls_answer_at_once_while_every_session_has_a_round_in_flight():
+    """Each unary round holds a server worker until it is answered, queued and prefill steps
+    included. With 2 x --max-batch-size + 8 workers and more sessions than that prefilling,
+    health checks, GetStats and CloseSession queued behind their rounds (200 sessions: 6 s, a
+    liveness probe's restart of a busy replica). The pool now has a worker per session it
+    admits besides: they answer while the rounds are still running."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from client.launcher import start_service
+
+    sessions = 16  # one round each, past the 2 x 1 + 8 + 1 workers of the old pool
+    with start_service("verifier", ["--max-batch-size", "1", "--max-streams", "1", "--max-sessions", str(sessions),
+                                    "--max-num-batched-tokens", "32", "--log-level", "WARNING"], threads=1) as verifier:
+        channel = grpc.insecure_channel(verifier.address, options=CHANNEL_OPTIONS)
+        stub = pb_grpc.VerifierStub(channel)
+        sids = [stub.OpenSession(pb.OpenSessionRequest()).session_id for _ in range(sessions)]
+        rounds = [stub.Verify.future(pb.VerifyRequest(session_id=sid, append_token_ids=[100 + i] * 600,
+                                                      sampling=pb.SamplingParams(temperature=0.0)), timeout=300)
+                  for i, sid in enumerate(sids)]
+        try:
+            wait_for(lambda: stub.GetStats(pb.StatsRequest(), timeout=60).forwards > 0, 60, "the first prefill step")
+            answered = [health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status,
+                        stub.GetStats(pb.StatsRequest(), timeout=5).live_sessions,
+                        stub.CloseSession(pb.CloseSessionRequest(session_id=sids[-1]), timeout=5)]
+            done = sum(r.done() for r in rounds)
+            assert answered[:2] == [health_pb2.HealthCheckResponse.SERVING, sessions]
+            # Queued behind them, the calls waited for 6 rounds (the 5 rounds queued first, then a worker).
+            assert done <= 2, f"the calls answered only after {done} of {sessions} rounds"
+        finally:
+            for sid in sids[:-1]:  # the rest of their prefills is dropped
+                stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=60)
+            for r in rounds:
+                r.exception(timeout=60)  # each one ends: answered, or closed in flight
+            channel.close()
+
+
 def test_streams_past_max_streams_are_refused_and_their_clients_send_verifybatch_calls():
     """Each VerifyStream holds a server worker for its life. Idle streams of ten clients took
     every worker of a `--max-batch-size 1` verifier (2 × 1 + 8), after which health checks,

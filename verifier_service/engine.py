@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -149,21 +150,23 @@ class VerifierEngine(ServingModel):
         return self.verify_call(VerifyCall(session_id, truncate_to, append_token_ids, draft_token_ids, proposal,
                                            params, prompt_length, owner))
 
-    def verify_call(self, call: VerifyCall) -> VerifyOut:
-        """`verify` of one VerifyCall (what a unary Verify carries)."""
+    def verify_call(self, call: VerifyCall, alive: Callable[[], bool] | None = None) -> VerifyOut:
+        """`verify` of one VerifyCall (what a unary Verify carries). alive: whether the caller
+        still waits (its gRPC call's `is_active`): a call given up on stops at its next step."""
         q = self._check(call)
         with self.sessions.use(call.session_id, call.truncate_to, call.owner) as session:
-            return self.submit(self._request(call, session, q))
+            return self.submit(self._request(call, session, q), alive)
 
-    def verify_batch(self, calls: list[VerifyCall | Exception]) -> list[VerifyOut | Exception]:
+    def verify_batch(self, calls: list[VerifyCall | Exception],
+                     alive: Callable[[], bool] | None = None) -> list[VerifyOut | Exception]:
         """Many sessions' rounds at once (VerifyBatch): each call is checked and holds its
         session on its own, all are queued before any is waited for, so they share a step.
         A call that fails (bad input, a busy or unknown session, a failed step) fails alone and
         its session is cropped back to its truncate_to, as a unary call's would be. An
         Exception in `calls` (a malformed message) is passed through as that call's result."""
-        return self.finish_batch(self.begin_batch(calls))
+        return self.finish_batch(self.begin_batch(calls, alive))
 
-    def begin_batch(self, calls: list[VerifyCall | Exception]) -> BatchInFlight:
+    def begin_batch(self, calls: list[VerifyCall | Exception], alive: Callable[[], bool] | None = None) -> BatchInFlight:
         """`verify_batch` without the wait: checks, holds the sessions and queues the rounds;
         `finish_batch` (exactly once) waits, releases the sessions and gives the results."""
         batch = BatchInFlight([None] * len(calls))
@@ -180,7 +183,7 @@ class VerifierEngine(ServingModel):
                     batch.results[i] = exc
                     continue
                 batch.held.append((i, cm, self._request(call, session, q)))
-            batch.futures = self.queue_many([r for _, _, r in batch.held])
+            batch.futures = self.queue_many([r for _, _, r in batch.held], alive)
         except BaseException:
             self.finish_batch(batch)
             raise

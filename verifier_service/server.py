@@ -36,14 +36,14 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
     @rpc_method
     def Verify(self, request, context):
         # someone else's session is NOT_FOUND
-        return _response(self.engine.verify_call(_call(request, caller_owner(context))))
+        return _response(self.engine.verify_call(_call(request, caller_owner(context)), context.is_active))
 
     @rpc_method
     def VerifyBatch(self, request, context):
         # someone else's session is NOT_FOUND, per entry
         if len(request.requests) > (cap := self._max_entries()):
             raise InvalidArgument("requests", _too_many(len(request.requests), cap))
-        return _batch_response(self.engine.verify_batch(_calls(request, caller_owner(context))))
+        return _batch_response(self.engine.verify_batch(_calls(request, caller_owner(context)), context.is_active))
 
     def VerifyStream(self, request_iterator, context):
         """One long-lived stream per client: each message is begun on the engine by a reader
@@ -88,7 +88,8 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
                         if state["closed"]:
                             return
                         state["in_flight"] += entries
-                        begun.put((message.tag, self.engine.begin_batch(_calls(message, owner)), entries))
+                        begun.put((message.tag, self.engine.begin_batch(_calls(message, owner), context.is_active),
+                                   entries))
             except grpc.RpcError:
                 pass  # the client went away: the stream's end finishes what was begun
             except Exception:  # noqa: BLE001 - never leave the stream waiting
