@@ -83,10 +83,10 @@ class SlotPool:
             return len(self._free)
 
     def acquire(self, wait_s: float = 0.0) -> KVSlot:
-        """A free slot; when none is, wait up to `wait_s` for one. A session closed or evicted
-        while its call is in flight keeps its slot until that call ends, within a step: a new
-        session opened meanwhile on a full server waits for it instead of being refused (the
-        client retried later, and the refusal named --max-sessions, which was not the cause)."""
+        """A free slot; when none is, wait up to `wait_s` for one. A session closed while its
+        call is in flight keeps its slot until that call ends, within a step: a new session
+        opened meanwhile on a full server waits for it instead of being refused (the client
+        retried later, and the refusal named --max-sessions, which was not the cause)."""
         deadline = time.monotonic() + wait_s
         collected = False
         while True:
