@@ -435,6 +435,16 @@ def test_random_model_refuses_an_out_path_that_is_a_file(tmp_path):
     assert target.read_text() == "keep me"
 
 
+def _first_call(service, stub: str, sid: str, append: list[int], **fields):
+    """The future of a greedy Verify, or of a Draft of 2 tokens, appending `append` to an empty session."""
+    sampling = pb.SamplingParams(temperature=0)
+    if stub == "verifier":
+        return service.Verify.future(pb.VerifyRequest(session_id=sid, truncate_to=0, append_token_ids=append,
+                                                      sampling=sampling, **fields))
+    return service.Draft.future(pb.DraftRequest(session_id=sid, truncate_to=0, append_token_ids=append,
+                                                num_draft_tokens=2, sampling=sampling, **fields))
+
+
 @pytest.mark.parametrize("stub", ["verifier", "drafter"])
 def test_closing_a_session_drops_the_rest_of_its_calls_prefill(verifier_stub, drafter_stub, client, stub):
     """A client that gives up on a generation (a cancelled HTTP request) closes its sessions:
@@ -444,13 +454,7 @@ def test_closing_a_session_drops_the_rest_of_its_calls_prefill(verifier_stub, dr
     service = verifier_stub if stub == "verifier" else drafter_stub
     ids = client.encode_prompt("a long shared document about nothing in particular " * 200)[:1800]
     sid = service.OpenSession(pb.OpenSessionRequest()).session_id
-    sampling = pb.SamplingParams(temperature=0)
-    if stub == "verifier":
-        call = service.Verify.future(pb.VerifyRequest(session_id=sid, truncate_to=0, append_token_ids=ids,
-                                                      sampling=sampling, prompt_length=len(ids)))
-    else:
-        call = service.Draft.future(pb.DraftRequest(session_id=sid, truncate_to=0, append_token_ids=ids,
-                                                    num_draft_tokens=2, sampling=sampling, prompt_length=len(ids)))
+    call = _first_call(service, stub, sid, ids, prompt_length=len(ids))
     stats = service.GetStats(pb.StatsRequest())
     before = stats.forwards
     deadline = time.monotonic() + 60
@@ -477,14 +481,9 @@ def test_a_call_its_client_cancelled_stops_its_prefill_and_frees_its_session(ver
     service = verifier_stub if stub == "verifier" else drafter_stub
     ids = client.encode_prompt("a long shared document about nothing in particular " * 200)[:1800]
     chunks = -(-len(ids) // 256)  # the CPU's default --max-num-batched-tokens
-    sampling = pb.SamplingParams(temperature=0)
 
     def call(sid: str, append: list[int]):
-        if stub == "verifier":
-            return service.Verify.future(pb.VerifyRequest(session_id=sid, truncate_to=0, append_token_ids=append,
-                                                          sampling=sampling))
-        return service.Draft.future(pb.DraftRequest(session_id=sid, truncate_to=0, append_token_ids=append,
-                                                    num_draft_tokens=2, sampling=sampling))
+        return _first_call(service, stub, sid, append)
 
     sid = service.OpenSession(pb.OpenSessionRequest()).session_id
     before = service.GetStats(pb.StatsRequest())
