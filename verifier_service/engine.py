@@ -248,62 +248,79 @@ class VerifierEngine(ServingModel):
         if not items:
             return []
         reqs, chunks, waiting = self._plan_step([it.payload for it in items])
+        stepped = reqs + [r for r, _ in chunks]  # in row order: verified whole, then prompt chunks
+        rows, scored = self._rows(reqs, chunks)
+        self._note_stepped(stepped, start)
+        timer = DeviceTimer(self.lm.device)
+        # On the device before the forward is queued: the copies wait for nothing and the
+        # sampler is queued right behind the forward.
+        sampler_args = self._sampler_inputs(reqs, self.lm.device) if reqs else None
+        prepared = time.perf_counter()
+        timer.start()
+        logits = self.lm.forward_rows(rows)  # per row [keep, V]
+        self._score_prompts(stepped, scored, logits)
+        if reqs:
+            target, out = self._verify(reqs, scored, logits, sampler_args)
+        timer.stop()
+        if reqs:
+            # The batch's only device-to-host transfer: the accepted counts and the emitted ids.
+            results = torch.cat([out.num_accepted[:, None], out.output_token_ids], dim=1).tolist()  # [B, 1 + K + 1]
+        synced = time.perf_counter()
+        device_ms = timer.ms()
+        self._advance_chunks(chunks)
+        self.stats.add(forwards=1)
+        if reqs:
+            self._reply(items, reqs, target, results, self._load(rows, (synced - start) * 1e3, device_ms))
+        end = time.perf_counter()
+        self.phases.step((prepared - start) * 1e3, device_ms, (end - prepared) * 1e3 - device_ms,
+                         (end - start) * 1e3)
         unfinished = {id(r) for r in waiting} | {id(r) for r, _ in chunks}
-        # A row keeps the logits of its last `keep` positions: the verified ones (a chunk's last,
-        # unused), or all of them when its head has prompt tokens to score (prompt_logprobs).
-        stepped = reqs + [r for r, _ in chunks]  # in row order
+        return [it for it in items if id(it.payload) in unfinished]
+
+    def _rows(self, reqs: list[_Request], chunks: list[tuple[_Request, list[int]]]) -> tuple[list[Row], list[int]]:
+        """The step's rows, and per row how many prompt tokens it scores (prompt_logprobs). A
+        row keeps the logits of its last `keep` positions: the verified ones (a chunk's last,
+        unused), or all of them when its head has prompt tokens to score."""
         scored = [r.prompt_scored(len(r.append_token_ids) - 1) for r in reqs]
         scored += [r.prompt_scored(len(chunk)) for r, chunk in chunks]
         rows = [Row(r.session.cache, r.append_token_ids + r.draft_token_ids,
                     r.width if n else len(r.draft_token_ids) + 1) for r, n in zip(reqs, scored)]
         rows += [Row(r.session.cache, chunk, len(chunk) if n else 1)
                  for (r, chunk), n in zip(chunks, scored[len(reqs):])]
+        return rows, scored
+
+    def _note_stepped(self, stepped: list[_Request], start: float) -> None:
+        """A request's queue time ends at its first step; its session stays fresh for the
+        running-sessions window while a long prompt's chunks run (counted after the step)."""
         for r in stepped:
             if r.queue_ms is None:
                 r.queue_ms = (start - r.submitted) * 1e3
                 self.phases.observe("queue", r.queue_ms)
-        # Fresh for the window while a long prompt's chunks run; counted after the step (below).
         self.running.touch([r.session.session_id for r in stepped], time.monotonic())
-        step_tokens = sum(len(row.token_ids) for row in rows)
-        timer = DeviceTimer(self.lm.device)
-        if not reqs:  # prefill chunks only
-            prepared = time.perf_counter()
-            timer.start()
-            self._score_prompts(stepped, scored, self.lm.forward_rows(rows))
-            timer.stop()
-            self.stats.add(forwards=1)
-            self._advance_chunks(chunks)
-            end = time.perf_counter()
-            device_ms = timer.ms()
-            self.phases.step((prepared - start) * 1e3, device_ms, (end - prepared) * 1e3 - device_ms,
-                             (end - start) * 1e3)
-            return [it for it in items if id(it.payload) in unfinished]
-        dev = self.lm.device  # the sampler runs where the logits are: on a GPU, no copy of [B, K + 1, V] back
-        # On the device before the forward is queued: the copies wait for nothing and the
-        # sampler is queued right behind the forward.
-        sampler_args = self._sampler_inputs(reqs, dev)
-        prepared = time.perf_counter()
-        timer.start()
-        logits = self.lm.forward_rows(rows)  # per row [keep, V]
-        self._score_prompts(stepped, scored, logits)
+
+    def _verify(self, reqs: list[_Request], scored: list[int], logits: list[torch.Tensor],
+                sampler_args: dict) -> tuple[torch.Tensor, object]:
+        """The verified rows' processed target distribution [B, K + 1, V] and the sampler's
+        output, queued on the device (nothing read back yet)."""
         # B x [K_b + 1, V]: a row that scored its prompt keeps its verified tail
         logits = [row[-(len(r.draft_token_ids) + 1):] if n else row for r, n, row in zip(reqs, scored, logits)]
         target = self._process_logits(reqs, logits)  # [B, K + 1, V]
-        out = speculative_sample(target, backend=self.sampler_backend, **sampler_args)
-        timer.stop()
-        # The batch's only device-to-host transfer: the accepted counts and the emitted ids.
-        results = torch.cat([out.num_accepted[:, None], out.output_token_ids], dim=1).tolist()  # [B, 1 + K + 1]
-        synced = time.perf_counter()
-        device_ms = timer.ms()
-        self._advance_chunks(chunks)
-        self.stats.add(forwards=1)
-        # Counted after the step: sessions that arrived while it ran count in its replies too (the
-        # first reply to sessions starting together would otherwise see only the first of them).
+        return target, speculative_sample(target, backend=self.sampler_backend, **sampler_args)
+
+    def _load(self, rows: list[Row], step_ms: float, device_ms: float) -> EngineLoad:
+        """What every reply of this step reports. Sessions are counted after the step: those that
+        arrived while it ran count in its replies too (the first reply to sessions starting
+        together would otherwise see only the first of them)."""
         running = self.note_running([])
-        step_ms = (synced - start) * 1e3
-        load = EngineLoad(running_sessions=running, step_rows=len(rows), step_tokens=step_tokens, step_ms=step_ms,
+        return EngineLoad(running_sessions=running, step_rows=len(rows),
+                          step_tokens=sum(len(row.token_ids) for row in rows), step_ms=step_ms,
                           speculation_disabled=0 < self.config.speculative_disable_by_batch_size <= running,
                           device_ms=device_ms, host_ms=max(step_ms - device_ms, 0.0))
+
+    def _reply(self, items: list[WorkItem], reqs: list[_Request], target: torch.Tensor, results: list[list[int]],
+               load: EngineLoad) -> None:
+        """Settle each verified request with its accepted prefix and next token; one that fails
+        (a distribution without mass) fails alone."""
         by_request = {id(it.payload): it for it in items}
         for i, r in enumerate(reqs):
             item = by_request[id(r)]
@@ -312,10 +329,6 @@ class VerifierEngine(ServingModel):
                                                     dataclasses.replace(load, queue_ms=r.queue_ms)))
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 item.future.set_exception(exc)
-        end = time.perf_counter()
-        self.phases.step((prepared - start) * 1e3, device_ms, (end - prepared) * 1e3 - device_ms,
-                         (end - start) * 1e3)
-        return [it for it in items if id(it.payload) in unfinished]
 
     def _sampler_inputs(self, reqs: list[_Request], device: torch.device) -> dict:
         """The sampler's inputs for the whole batch. Every per-row integer (drafts, their count,
