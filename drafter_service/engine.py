@@ -145,74 +145,81 @@ class DrafterEngine(Drafter):
         items = drop_closed(items)
         if not items:
             return []
-        reqs: list[_Request] = [it.payload for it in items]
-        pending_items = {id(it.payload): it for it in items}
         start = time.perf_counter()
+        pending_items = {id(it.payload): it for it in items}  # the requests not settled yet
+        reqs: list[_Request] = [it.payload for it in items]
         for r in reqs:
             if r.queue_ms is None:
                 r.queue_ms = (start - r.submitted) * 1e3
                 self.phases.observe("queue", r.queue_ms)
             if not r.started:
                 r.started = True
-                self._resume_branch(r)
+                self._resume_branch(r)  # a pre-drafted hit leaves nothing pending
         running = self.note_running([r.session.session_id for r in reqs])
-        forwards = 0
-        timer = DeviceTimer(self.lm.device)
-        stepped = [r for r in reqs if r.pending]  # the requests whose rows the next forward runs, in row order
         for r in reqs:
-            if not r.pending:
+            if not r.pending:  # every draft from the speculation cache
                 self._settle(pending_items.pop(id(r)), r, running)
+        stepped = [r for r in reqs if r.pending]  # the requests whose rows the next forward runs, in row order
         while stepped:
-            t_step = time.perf_counter()
-            rows = self._plan_step(stepped)
-            prepared = time.perf_counter()
-            timer.start()
-            logits = self.lm.forward_rows([Row(r.session.cache, chunk, 1) for r, chunk in rows])  # [1, V] each
-            forwards += 1
-            drafting = []
-            for (r, chunk), row_logits in zip(rows, logits):
-                r.session.tokens.extend(chunk)
-                r.pending = r.pending[len(chunk):]
-                if not r.pending and len(r.drafts) < r.num_draft_tokens:
-                    drafting.append((r, row_logits))
-            drafting = list(zip([r for r, _ in drafting], self._propose_rows(drafting)))
-            timer.stop()
-            tokens = _read_tokens([t for _, t in drafting])
-            synced = time.perf_counter()
-            device_ms = timer.ms()
-            for (r, _), token in zip(drafting, tokens):
-                if not 0 <= token < self.lm.vocab_size:
-                    # A distribution without mass (NaN) samples id V: this request alone fails (the
-                    # next forward would embed V and fail the whole batch); the checks refuse the
-                    # parameters known to make one.
-                    r.pending = []
-                    pending_items.pop(id(r)).future.set_exception(SpecDecError(
-                        f"session {r.session.session_id}: the processed draft distribution had no token with "
-                        "probability > 0"))
-                    continue
-                r.builder.commit(token)
-                r.drafts.append(token)
-                # Every draft but the last is appended, so the next step drafts after it.
-                if len(r.drafts) < r.num_draft_tokens:
-                    r.pending = [token]
-            step_ms = (time.perf_counter() - t_step) * 1e3
-            step_tokens = sum(len(chunk) for _, chunk in rows)
-            for r, _ in rows:
-                r.steps[0] += 1
-                r.steps[1] += step_ms
-                r.steps[2] += len(rows)
-                r.steps[3] += step_tokens
-                r.steps[4] += device_ms
-            for r, _ in rows:
-                if not r.pending and id(r) in pending_items:
-                    self._settle(pending_items.pop(id(r)), r, running)
-            end = time.perf_counter()
-            self.phases.step((prepared - t_step) * 1e3, device_ms, (end - synced) * 1e3, (end - t_step) * 1e3)
+            self._step(stepped, pending_items, running)
             stepped = [r for r in stepped if r.pending]
             if stepped and not any(r.drafts for r in stepped):
                 break  # only prefills left: let the next batch take new arrivals along
-        self.stats.add(forwards=forwards)
         return list(pending_items.values())
+
+    def _step(self, stepped: list[_Request], pending_items: dict[int, WorkItem], running: int) -> None:
+        """One forward: the next draft of every drafting row, and a chunk of each prompt the
+        budget takes; the requests whose drafts are complete are settled."""
+        t_step = time.perf_counter()
+        rows = self._plan_step(stepped)
+        prepared = time.perf_counter()
+        timer = DeviceTimer(self.lm.device)
+        timer.start()
+        logits = self.lm.forward_rows([Row(r.session.cache, chunk, 1) for r, chunk in rows])  # [1, V] each
+        drafting = []
+        for (r, chunk), row_logits in zip(rows, logits):
+            r.session.tokens.extend(chunk)
+            r.pending = r.pending[len(chunk):]
+            if not r.pending and len(r.drafts) < r.num_draft_tokens:
+                drafting.append((r, row_logits))
+        drafting = list(zip([r for r, _ in drafting], self._propose_rows(drafting)))
+        timer.stop()
+        tokens = _read_tokens([t for _, t in drafting])
+        synced = time.perf_counter()
+        device_ms = timer.ms()
+        self.stats.add(forwards=1)  # before any caller is answered: its stats then count its steps
+        self._commit(drafting, tokens, pending_items)
+        step_ms = (time.perf_counter() - t_step) * 1e3
+        step_tokens = sum(len(chunk) for _, chunk in rows)
+        for r, _ in rows:
+            r.steps[0] += 1
+            r.steps[1] += step_ms
+            r.steps[2] += len(rows)
+            r.steps[3] += step_tokens
+            r.steps[4] += device_ms
+            if not r.pending and id(r) in pending_items:
+                self._settle(pending_items.pop(id(r)), r, running)
+        end = time.perf_counter()
+        self.phases.step((prepared - t_step) * 1e3, device_ms, (end - synced) * 1e3, (end - t_step) * 1e3)
+
+    def _commit(self, drafting: list[tuple[_Request, torch.Tensor]], tokens: list[int],
+                pending_items: dict[int, WorkItem]) -> None:
+        """Each drafting row's new draft, read back: recorded, and appended by its next step
+        unless it is the last."""
+        for (r, _), token in zip(drafting, tokens):
+            if not 0 <= token < self.lm.vocab_size:
+                # A distribution without mass (NaN) samples id V: this request alone fails (the
+                # next forward would embed V and fail the whole batch); the checks refuse the
+                # parameters known to make one.
+                r.pending = []
+                pending_items.pop(id(r)).future.set_exception(SpecDecError(
+                    f"session {r.session.session_id}: the processed draft distribution had no token with "
+                    "probability > 0"))
+                continue
+            r.builder.commit(token)
+            r.drafts.append(token)
+            if len(r.drafts) < r.num_draft_tokens:
+                r.pending = [token]
 
     def _plan_step(self, stepped: list[_Request]) -> list[tuple[_Request, list[int]]]:
         """(request, tokens it appends this step): drafting rows first (one or two tokens each),
