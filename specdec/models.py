@@ -459,7 +459,7 @@ class CausalLM:
 
         def load():
             model = AutoModelForCausalLM.from_pretrained(path, dtype=load_dtype, **kwargs)
-            unpacked = None  # int4: the model before packing, for the prefill weights
+            unpacked = None  # int4 or oneDNN: the model before packing, for the prefill weights
             vocab_size = int(model.get_output_embeddings().weight.shape[0])  # rows of the LM head
             blocks = decoder_blocks(model) if spec.quantize in ("int8", "int4") else None
             quantized = False
@@ -491,6 +491,11 @@ class CausalLM:
                 if isinstance(head, torch.nn.Linear) and head.bias is None:
                     model.set_output_embeddings(Int8WeightLinear(head))  # the tied input embedding stays
             if spec.cpu_linear == "onednn":
+                if unpacked is None and spec.prefill_dtype not in ("none", "auto", spec.dtype):
+                    import copy
+
+                    # The prefill copy's source: a prepacked (opaque) weight cannot be copied.
+                    unpacked = copy.deepcopy(model)
                 use_onednn_linears(model)
             return model.to(spec.device).eval(), vocab_size, unpacked, quantized
 
@@ -562,7 +567,7 @@ class CausalLM:
         the bfloat16-written prefix makes the float16 drafts slightly less like the
         target's (demo prompts: 1.000 -> 0.984), so it pays off for long prompts only and
         is off by default. The choice depends on the row alone, never on its batch mates.
-        unpacked: an int4 model's weights before packing, which the copy is made of.
+        unpacked: the weights before int4 or oneDNN packing, which the copy is made of.
         """
         choice = spec.prefill_dtype
         if choice == "auto":

@@ -286,18 +286,21 @@ def test_evicted_session_is_reprefilled_and_the_output_is_unchanged(drafter_proc
         svc.stop()
 
 
-def test_bfloat16_prefill_twin_writes_the_float16_slot():
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_bfloat16_prefill_twin_writes_the_models_own_slot(dtype):
     """--prefill-dtype bfloat16: rows of >= 3 tokens run through a bfloat16 copy and write
-    the float16 slot; 1-token rows use the float16 weights; logits stay close to float16's."""
+    the model's own slot; 1-token rows use its own weights; logits stay close to its own. A
+    float32 model's linears are prepacked for oneDNN on a CPU: the copy was made of those
+    and failed the start ("Cannot access storage of OpaqueTensorImpl")."""
     from specdec.models import CausalLM, ModelSpec
 
-    plain = CausalLM(ModelSpec(dtype="float16"))
-    twin = CausalLM(ModelSpec(dtype="float16", prefill_dtype="bfloat16"))
+    plain = CausalLM(ModelSpec(dtype=dtype))
+    twin = CausalLM(ModelSpec(dtype=dtype, prefill_dtype="bfloat16"))
     assert plain.prefill_slots is None and twin.prefill_slots is not None
     ids = twin.tokenizer(PROMPTS[0] + " and the capital of Spain is", add_special_tokens=False).input_ids
     slot = twin.new_cache()
     long = twin.forward(ids, slot, logits_to_keep=1)
-    assert slot.data.dtype == torch.float16 and slot.length == len(ids)
+    assert slot.data.dtype == getattr(torch, dtype) and slot.length == len(ids)
     step = twin.forward([int(long[-1].argmax())], slot, logits_to_keep=1)
     ref_slot = plain.new_cache()
     ref_long = plain.forward(ids, ref_slot, logits_to_keep=1)
