@@ -110,6 +110,7 @@ class DrafterEngine(Drafter):
 
     def __init__(self, spec: ModelSpec, config: EngineConfig = EngineConfig(), lm: CausalLM | None = None) -> None:
         super().__init__(spec, config, lm)
+        self.device_timer = DeviceTimer(self.lm.device)  # the engine thread's: every step re-records its events
         # Branches fork the session's KV slot; models without a slot forward do not speculate.
         self.speculation = (SpeculationCache(config.speculation_slots, self.lm.new_cache, copy_prefix)
                             if self.lm.slots is not None and config.speculation_slots > 0 else None)
@@ -173,7 +174,7 @@ class DrafterEngine(Drafter):
         t_step = time.perf_counter()
         rows = self._plan_step(stepped)
         prepared = time.perf_counter()
-        timer = DeviceTimer(self.lm.device)
+        timer = self.device_timer
         timer.start()
         logits = self.lm.forward_rows([Row(r.session.cache, chunk, 1) for r, chunk in rows])  # [1, V] each
         drafting = []

@@ -116,6 +116,7 @@ class VerifierEngine(ServingModel):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.device_timer = DeviceTimer(self.lm.device)  # the engine thread's: every step re-records its events
         if getattr(self.lm, "prefill_slots", None) is not None:  # see cli: the target is one model
             raise ValueError("a verifier scores every row with its own weights: its model takes no prefill copy "
                              "(ModelSpec.prefill_dtype='none')")
@@ -251,9 +252,10 @@ class VerifierEngine(ServingModel):
         stepped = reqs + [r for r, _ in chunks]  # in row order: verified whole, then prompt chunks
         rows, scored = self._rows(reqs, chunks)
         self._note_stepped(stepped, start)
-        timer = DeviceTimer(self.lm.device)
+        timer = self.device_timer
         # On the device before the forward is queued: the copies wait for nothing and the
-        # sampler is queued right behind the forward.
+        # sampler is queued right behind the forward. The sampler runs where the logits are:
+        # on a GPU, no copy of [B, K + 1, V] back.
         sampler_args = self._sampler_inputs(reqs, self.lm.device) if reqs else None
         prepared = time.perf_counter()
         timer.start()
