@@ -494,7 +494,8 @@ class CausalLM:
                 if unpacked is None and spec.prefill_dtype not in ("none", "auto", spec.dtype):
                     import copy
 
-                    # The prefill copy's source: a prepacked (opaque) weight cannot be copied.
+                    # The prefill copy's source: a prepacked (opaque) weight cannot be copied. (auto
+                    # never copies a float32 model, the only kind oneDNN serves: _fastest_prefill_dtype.)
                     unpacked = copy.deepcopy(model)
                 use_onednn_linears(model)
             return model.to(spec.device).eval(), vocab_size, unpacked, quantized
