@@ -73,7 +73,7 @@ import numpy as np
 
 from bench.datasets import RANDOM, SHIPPED, BenchPrompt, RandomDataset, interleave, load_dataset
 from client.pool import parse_addresses
-from client.speculative import AUTO, SpeculativeClient
+from client.speculative import AUTO, SpeculativeClient, shares_device
 from specdec.sampling import SamplingParams, mix64
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
@@ -593,7 +593,8 @@ def run_serve(config: WorkloadConfig, client: SpeculativeClient | None = None,
     result = assemble_result(
         config, records, duration, backend="specdec", gamma=gamma, server_stats=stats,
         verifier_model=client.verifier_info.model,
-        drafter_model=client.drafter_info.model if client.drafter_info and not config.target_only else None)
+        drafter_model=client.drafter_info.model if client.drafter_info and not config.target_only else None,
+        shared_device=None if config.target_only else shares_device(client.drafter_info, client.verifier_info))
     if not config.target_only:
         add_efficiency(result, baseline)
     return result
@@ -638,7 +639,7 @@ def workload_keys(config: WorkloadConfig) -> dict:
 def assemble_result(config: WorkloadConfig, records: Sequence[RequestRecord], duration: float, *, backend: str,
                     gamma: int | str | None, server_stats: dict, verifier_model: str | None,
                     drafter_model: str | None, mode: str | None = None, base_url: str | None = None,
-                    endpoint: str | None = None) -> dict:
+                    endpoint: str | None = None, shared_device: bool | None = None) -> dict:
     """The result dict of one run, whatever the backend measured it through: the same keys."""
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -650,6 +651,9 @@ def assemble_result(config: WorkloadConfig, records: Sequence[RequestRecord], du
         "endpoint": endpoint,
         "verifier_model": verifier_model,
         "drafter_model": drafter_model,
+        # the client's verdict (shares_device): both engines on CPUs or on one GPU's UUID, so its
+        # drafts take turns with the verifies (None: target-only, or not the specdec backend)
+        "shared_device": shared_device,
         **workload_keys(config),
         "num_speculative_tokens": gamma,
         "fanout": 0 if config.target_only else config.fanout,

@@ -113,6 +113,9 @@ def test_target_only_never_calls_the_drafter_but_speculative_does(drafter_proc, 
     assert "drafter" not in base["server_stats"] and base["server_stats"]["verifier"]["delta"]["requests"] > 0
     assert spec["server_stats"]["drafter"]["delta"]["draft_tokens"] == spec["total_draft_tokens"] > 0
     assert spec["system_efficiency"] is not None  # the baseline makes it computable
+    # the client's verdict on where the engines compute: both on this host's CPUs, so drafts take
+    # turns with verifies (shares_device); a target-only run has no drafter to judge
+    assert spec["shared_device"] is True and base["shared_device"] is None
     # A baseline of another workload is refused before the run: nothing sent, nothing written
     # (it was refused after the run, its meaningless speedup printed and written first).
     other = [a if a != "6" else "7" for a in common]  # --max-tokens 7

@@ -399,6 +399,24 @@ def test_services_on_the_device_speculate_greedily_as_target_only(services):
         print(f"copy drafter: {accepted} drafts accepted, {cached} from the speculation cache")
 
 
+def test_services_on_one_gpu_say_they_share_it(services):
+    """Both services report the UUID of the GPU they compute on (GetModelInfo.device_uuid), one
+    this process sees too, so the client treats them as sharing one device: two processes
+    time-slice a GPU, so no drafter prefill runs beside a verifier's round, and adaptive γ
+    drafts nothing from SHARED_GPU_DISABLE_BY_BATCH_SIZE sessions on. (The H100 sweeps of
+    2026-11-27 showed the symptoms of a client that did not see it; this says which.)"""
+    from client.speculative import SHARED_GPU_DISABLE_BY_BATCH_SIZE, SpeculativeClient, shared_gpu_cap, shares_device
+
+    visible = {str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())} or {""}
+    with SpeculativeClient(services.verifier.address, drafter=services.copy_drafter.address) as client:
+        verifier, drafter = client.verifier_info, client.drafter_info
+        assert verifier.device.split(":")[0] == drafter.device.split(":")[0] == DEVICE.type
+        assert verifier.device_uuid in visible, (verifier.device_uuid, visible)  # "" on the CPU twin
+        assert drafter.device_uuid == verifier.device_uuid
+        assert shares_device(drafter, verifier)  # one GPU's UUID, or (the CPU twin) both on CPUs
+        assert shared_gpu_cap(drafter, verifier) == (SHARED_GPU_DISABLE_BY_BATCH_SIZE if CUDA else 0)
+
+
 def _gpu_pids() -> set[int] | None:
     """PIDs holding a CUDA context on the GPU per nvidia-smi (None if it cannot tell)."""
     if not shutil.which("nvidia-smi"):

@@ -73,8 +73,8 @@ def test_the_cpu_quick_report_has_every_section(cpu_run):
     sampler = report["sampler"]["rows"]
     assert [r["batch_size"] for r in sampler] == [1, 4] and all(r["rejection_dense_q_us"] > 0 for r in sampler)
     table = report["verifier_alone_table"]
-    assert {(x["gamma"], x["front"], x["concurrency"]) for x in table} == {
-        (g, f, c) for g, f in ((0, "unary"), (4, "unary"), (0, "stream")) for c in (1, 2)}
+    assert [(x["gamma"], x["front"], x["concurrency"]) for x in table] == [  # the batched front second
+        (g, f, c) for g, f in ((0, "unary"), (0, "stream"), (4, "unary")) for c in (1, 2)]
     for x in table:  # the service's own step and bench engine's, beside the measured rounds/s
         assert x["rounds_per_s"] > 0 and x["device_ms"] > 0 and x["host_ms"] >= 0
         assert x["engine_rows_per_s"] > 0 and x["bench_engine_rows_per_s"] > 0 and x["bench_engine_efficiency"] > 0
@@ -82,10 +82,19 @@ def test_the_cpu_quick_report_has_every_section(cpu_run):
     assert [x["level"] for x in pairs] == [0.9] and abs(pairs[0]["greedy_agreement"] - 0.9) < 0.05
     assert set(report["sweeps"]) == {"sweep-copy", "sweep-drafter", "sweep-synthetic-0.9"}
     assert report["sweeps"]["sweep-synthetic-0.9"]["kind"] == "synthetic"
+    # The sweeps of the serve part took the verifier-alone service (no second start of the target);
+    # the synthetic pair's target is another model, so it starts its own.
+    starts = [(x["part"], x["role"]) for x in report["service_starts"]]
+    assert starts.count(("engine", "verifier")) == 1 and ("serve", "verifier") not in starts, starts
+    assert starts.count(("synthetic", "verifier")) == 1, starts
     for name, sweep in report["sweeps"].items():
         assert [p["concurrency"] for p in sweep["points"]] == [1, 2], name
         for p in sweep["points"]:
             assert p["measured_speedup"] > 0 and p["ideal_speedup"] > 0 and p["system_efficiency"] > 0
+            assert p["shared_device"] is True  # both services on this host's CPUs
+            # each mode's GetStats deltas: the verifier served every round; target-only never called the drafter
+            assert p["speculative"]["verifier_calls"] > 0 and p["target_only"]["verifier_calls"] > 0
+            assert "drafter_calls" not in p["target_only"] and p["speculative"]["drafter_calls"] is not None
             for mode in ("speculative", "target_only"):
                 m = p[mode]
                 assert m["completed"] == p["num_prompts"] and m["failed"] == 0
@@ -103,7 +112,8 @@ def test_the_cpu_quick_report_has_every_section(cpu_run):
                     "## Service starts", "## Expected speedup", "## Goals"):
         assert heading in md, heading
     for column in ("| verify device ms | verify step ms | verify host ms | draft device ms | engine-bound tok/s",
-                   "| speedup | ideal | speedup eff. |", "| engine rows/s | efficiency | bench engine ms"):
+                   "| speedup | ideal | speedup eff. |", "| engine rows/s | efficiency | bench engine ms",
+                   "| warm-up s | verifier calls / forwards | drafter calls / forwards |"):
         assert column in md, column
 
 
