@@ -255,6 +255,9 @@ def run_level(address: str, concurrency: int, gamma: int, prompt_len: int, secon
         "mean_batch_size": round(requests / batches, 2),
         "p50_round_ms": round(p50_ms, 2) if p50_ms is not None else None,
         "p99_round_ms": round(float(np.percentile(lat_ms, 99)), 2) if len(lat_ms) else None,
+        # the tail a stall of every session in flight (a full garbage collection) shows in
+        "p999_round_ms": round(float(np.percentile(lat_ms, 99.9)), 2) if len(lat_ms) else None,
+        "max_round_ms": round(float(np.max(lat_ms)), 2) if len(lat_ms) else None,
         # what a round costs beyond the engine step that served it (gRPC both ways, queueing, replies)
         "p50_over_step_ms": round(float(np.percentile(over_ms, 50)), 3) if over_ms is not None else None,
         "mean_step_ms": round(step_ms, 3),
@@ -297,7 +300,8 @@ def run(args) -> int:
             ratio = "n/a" if r["speedup_vs_first"] is None else f"x{r['speedup_vs_first']:.2f}"
             print(f"concurrency {c:>3}: {r['scored_tokens_per_s']:>8.1f} scored tok/s  "
                   f"({r['rounds_per_s']:.1f} rounds/s, mean batch {r['mean_batch_size']:.1f}, "
-                  f"p50 {r['p50_round_ms']} ms, p99 {r['p99_round_ms']} ms)  {ratio} "
+                  f"p50 {r['p50_round_ms']} ms, p99 {r['p99_round_ms']} ms, p99.9 {r['p999_round_ms']} ms, "
+                  f"max {r['max_round_ms']} ms)  {ratio} "
                   f"vs concurrency {levels[0]}", flush=True)
             eff = "n/a" if r["efficiency"] is None else f"{r['efficiency']:.0%}"
             print(f"                 step {r['mean_step_ms']:.2f} ms = device {r['mean_device_ms']:.2f} + host "

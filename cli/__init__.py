@@ -262,6 +262,9 @@ def _serve(args: argparse.Namespace, role: str) -> int:
         from verifier_service.server import run
 
         engine = VerifierEngine(spec, config)
+    from specdec_rpc.ops import freeze_heap
+
+    freeze_heap(role)  # after the model's load and CUDA-graph capture: rounds never walk that heap again
     return run(engine, args.host, args.port, grace_s=args.grace_s, metrics_port=args.metrics_port,
                tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca, auth_token_file=args.auth_token_file,
                **({"max_streams": args.max_streams} if role == "verifier" else {}))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from client.speculative import GenerationResult
+from specdec_rpc.ops import GCCollector
 
 _LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -29,6 +30,7 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        r.register(GCCollector())  # the process's collection pauses (the CLI's gateway freezes its start-up heap)
         per_model = ["model_name", "endpoint"]
         self.requests = Counter("specdec_gateway_requests", "HTTP requests answered, by endpoint and status code",
                                 ["endpoint", "status"], registry=r)

@@ -11,6 +11,7 @@ import uvicorn
 
 from gateway.app import GatewayConfig, create_app
 from gateway.upstream import Upstream
+from specdec_rpc.ops import freeze_heap
 
 
 STREAM_END_MARGIN_S = 0.5  # streams still open this long before the grace ends get an error event
@@ -66,6 +67,7 @@ def serve(config: GatewayConfig, host: str = "127.0.0.1", port: int = 8000, *, g
         raise OSError(f"could not listen on {host}:{port}: {exc.strerror or exc}") from None
     bound = sock.getsockname()[1]
     app = create_app(config, upstream)
+    freeze_heap("gateway")  # this process serves from here on (see freeze_heap)
     uv_config = uvicorn.Config(app, log_level=log_level.lower(),
                                timeout_graceful_shutdown=grace_s,
                                ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, access_log=False,

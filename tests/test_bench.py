@@ -312,7 +312,7 @@ def test_verifier_bench_reports_the_engine_step_and_the_cost_of_an_empty_call(ve
         assert level["rounds"] > 0
         assert level["scored_tokens_per_s"] == pytest.approx(3 * level["rounds_per_s"], rel=0.01)
         assert level["mean_step_ms"] >= level["mean_device_ms"] > 0
-        assert level["p99_round_ms"] >= level["p50_round_ms"] > 0
+        assert level["max_round_ms"] >= level["p999_round_ms"] >= level["p99_round_ms"] >= level["p50_round_ms"] > 0
         # each round contains the step that served it (paired round by round, not against a mean
         # step, which a p50 round undercuts when step times spread), so the excess is positive
         assert level["p50_over_step_ms"] > 0 and 0 < level["efficiency"] <= 1.05

@@ -718,6 +718,9 @@ def test_metrics_count_requests_tokens_and_drafts(oai, model, base_url):
         assert delta(f"vllm:{histogram}_seconds_count", **labels) == 1, histogram
     assert delta("vllm:inter_token_latency_seconds_count", **labels) == reply.usage.completion_tokens - 1
     assert delta("vllm:generation_tokens_total", **labels) == reply.usage.completion_tokens
+    # the gateway froze its start-up heap (the collector no longer walks it) and times its collections
+    assert after["specdec_gc_frozen_objects{}"] > 50_000
+    assert after['specdec_gc_pause_seconds_count{"generation": "0"}'] > 0
     assert delta("vllm:prompt_tokens_total", **labels) == reply.usage.prompt_tokens
     assert delta("vllm:request_success_total", **labels, finished_reason="length") == 1
     spec = reply.model_extra["speculative"]
