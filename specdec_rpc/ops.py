@@ -576,9 +576,10 @@ class EngineCollector:
 # ---- the garbage collector ---------------------------------------------------------------
 
 # A full (generation 2) collection walks every tracked object: ~400k after a model loads
-# (torch, transformers, grpc), 170-200 ms on a 2-core EPYC, and it runs inside whatever call
-# allocated last, so a step of every session in flight stalls that long. Under load one came
-# every ~15 s (bench verifier, concurrency 32, 620 rounds/s).
+# (torch, transformers, grpc), 197-243 ms in a serving verifier on a 2-core EPYC, and it runs
+# inside whatever call allocated last, under the GIL, so the step of every session in flight
+# stalls that long. Under load one came every 10-20 s (bench verifier, concurrency 32,
+# ~550 rounds/s).
 GC_PAUSE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 LONG_GC_PAUSE_S = 0.05  # logged as a warning
 
@@ -602,8 +603,8 @@ class GCPauses:
                               len(GC_PAUSE_BUCKETS_S))] += 1
         self.sums_s[gen] += pause
         if pause > LONG_GC_PAUSE_S:
-            log.warning("garbage collection of generation %d took %.0f ms (%d objects tracked, %d frozen)",
-                        gen, pause * 1e3, sum(gc.get_count()), gc.get_freeze_count())
+            log.warning("garbage collection of generation %d took %.0f ms (%d objects frozen: see freeze_heap)",
+                        gen, pause * 1e3, gc.get_freeze_count())
 
 
 _gc_pauses: GCPauses | None = None

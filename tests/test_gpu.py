@@ -403,8 +403,8 @@ def test_services_on_one_gpu_say_they_share_it(services):
     """Both services report the UUID of the GPU they compute on (GetModelInfo.device_uuid), one
     this process sees too, so the client treats them as sharing one device: two processes
     time-slice a GPU, so no drafter prefill runs beside a verifier's round, and adaptive γ
-    drafts nothing from SHARED_GPU_DISABLE_BY_BATCH_SIZE sessions on. (The H100 sweeps of
-    2026-11-27 showed the symptoms of a client that did not see it; this says which.)"""
+    drafts nothing from SHARED_GPU_DISABLE_BY_BATCH_SIZE sessions on. (On the H100 of
+    2026-11-27 that cap held at concurrency 8-64, so the client saw it; this keeps it so.)"""
     from client.speculative import SHARED_GPU_DISABLE_BY_BATCH_SIZE, SpeculativeClient, shared_gpu_cap, shares_device
 
     visible = {str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())} or {""}
