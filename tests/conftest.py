@@ -14,7 +14,7 @@ from scipy import stats
 
 from client.launcher import start_service, start_services
 
-SERVICE_THREADS = 1  # three test services + the test process share 2 cores
+SERVICE_THREADS = 1  # two pytest workers, each with its test services, share 2 cores
 
 if not torch.cuda.is_available():
     # Triton kernels run numpy-interpreted on CPU tensors (tests/test_triton_sampler.py). Triton's own
