@@ -10,6 +10,7 @@ fast reconnects, TLS and the token attached to every call.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import gc
 import hashlib
@@ -523,6 +524,16 @@ _PHASE_DOC = {
 }
 
 
+def _cumulative(bounds: Sequence[float], counts: Sequence[int], per_second: float = 1.0) -> list[tuple[str, int]]:
+    """Prometheus histogram buckets (upper bound in seconds, cumulative count) from counts per
+    bucket whose last is +Inf; `bounds` in 1/per_second seconds (StepPhases' are in ms)."""
+    buckets, total = [], 0
+    for le, n in zip([*bounds, None], list(counts)):  # a copy: the engine thread may count meanwhile
+        total += n
+        buckets.append(("+Inf" if le is None else str(le / per_second), total))
+    return buckets
+
+
 class EngineCollector:
     """Reads `engine.snapshot_stats()` at scrape time, so the engines keep no metric code.
     Keys it does not know are exported as gauges `specdec_engine_<key>`."""
@@ -557,12 +568,8 @@ class EngineCollector:
         if phases is not None:  # where engine time goes, per step (queue: per request)
             for phase in phases.counts:
                 hist = HistogramMetricFamily(f"specdec_engine_{phase}_seconds", _PHASE_DOC[phase], labels=["role"])
-                counts, total = list(phases.counts[phase]), 0
-                buckets = []
-                for le, n in zip([*phases.bounds_ms, None], counts):
-                    total += n
-                    buckets.append(("+Inf" if le is None else str(le / 1e3), total))
-                hist.add_metric([role], buckets, sum_value=phases.sums_ms[phase] / 1e3)
+                hist.add_metric([role], _cumulative(phases.bounds_ms, phases.counts[phase], per_second=1e3),
+                                sum_value=phases.sums_ms[phase] / 1e3)
                 yield hist
         if role == "drafter":
             return
@@ -599,8 +606,7 @@ class GCPauses:
             self._t0 = time.perf_counter()
             return
         pause, gen = time.perf_counter() - self._t0, info["generation"]
-        self.counts[gen][next((i for i, le in enumerate(GC_PAUSE_BUCKETS_S) if pause <= le),
-                              len(GC_PAUSE_BUCKETS_S))] += 1
+        self.counts[gen][bisect.bisect_left(GC_PAUSE_BUCKETS_S, pause)] += 1  # the first bucket with pause <= bound
         self.sums_s[gen] += pause
         if pause > LONG_GC_PAUSE_S:
             log.warning("garbage collection of generation %d took %.0f ms (%d objects frozen: see freeze_heap)",
@@ -648,11 +654,8 @@ class GCCollector:
         hist = HistogramMetricFamily("specdec_gc_pause_seconds", "garbage-collection pauses, by generation",
                                      labels=["generation"])
         for gen in range(3):
-            total, buckets = 0, []
-            for le, n in zip([*GC_PAUSE_BUCKETS_S, None], pauses.counts[gen]):
-                total += n
-                buckets.append(("+Inf" if le is None else str(le), total))
-            hist.add_metric([str(gen)], buckets, sum_value=pauses.sums_s[gen])
+            hist.add_metric([str(gen)], _cumulative(GC_PAUSE_BUCKETS_S, pauses.counts[gen]),
+                            sum_value=pauses.sums_s[gen])
         yield hist
 
 
