@@ -548,7 +548,9 @@ class CausalLM:
         except (RuntimeError, MemoryError) as exc:  # CUDA out of memory is a RuntimeError subclass
             raise ResourceExhausted(f"the KV slot pool ({num_slots} slots + scratch, {(num_slots + 1) * slot_bytes / 2**30:.1f}"
                               " GiB) does not fit; lower --max-sessions, --max-model-len or --kv-budget-mb") from exc
-        self.static = StaticForward(self.slots, self.pool, max_batch=max_batch, max_width=min(max_width, 32))
+        # A prefill weight copy (see _prefill_forward) takes the wide rows, eagerly.
+        self.static = StaticForward(self.slots, self.pool, max_batch=max_batch, max_width=min(max_width, 32),
+                                    pieces=self.prefill_slots is None)
         log.info("fast path: %d KV slots of %d positions (%.1f GiB), CUDA graphs %s", num_slots, self.max_context,
                  (num_slots + 1) * slot_bytes / 2**30, "on" if self.static.graphs else "off")
         if self.static.graphs:  # every bucket now: no request pays a capture inside its step

@@ -6,7 +6,7 @@ by kernel launches and Python, not by the hardware: a 1.5B verify step costs ~19
 a ~1 ms memory-bandwidth limit. gpt-fast's recipe closes that gap: static shapes, a
 preallocated KV cache, and CUDA graphs. Here every input of a step lives in preallocated
 buffers of a bucket shape (B rows × T tokens, C context positions); the step reads them,
-writes K/V into the pool by index and leaves logits in an output buffer, so one captured
+writes K/V into the pool by index and leaves hidden states in an output buffer, so one captured
 graph per bucket replays the whole forward with a single launch and no host sync.
 
 Shapes of one step (a bucket):
@@ -14,7 +14,7 @@ Shapes of one step (a bucket):
   slot   [B]     pool row of each batch row (the pool's scratch row for padded rows)
   start  [B]     cached positions of each row before this step
   nreal  [B]     real tokens of each row (0 for padded rows)
-  logits [B, T, V] in the model's dtype
+  hidden [B, T, hidden] after the final norm, in the model's dtype
 
 Padded tokens write K/V into the scratch row, never into a session's slot, and no real
 query can see them (the causal mask of a real token stops at its own position), so
@@ -23,9 +23,19 @@ bucket's context C (the next power of two above the longest row), masked per row
 is computed by folding the query heads of each KV head into the query axis
 ([B, H_kv, G·T, D]), so no KV head is repeated in memory and any SDPA backend applies.
 
-Rows wider than the largest width bucket (prompt prefill, compute-bound, where graphs buy
-nothing) go through SlotForward, eagerly, on the same pool slots. On the CPU the same step
-runs eagerly: that is what the tests compare with the eager path.
+A row wider than the widest step row (a prompt chunk) runs on the same path, cut into pieces
+of up to PIECE_WIDTH tokens that are rows of one static step: each piece starts where the
+one before ends, and within every layer all rows write their K/V before any row reads its
+slot, so a piece attends to the pieces before it as a prefill would. Pieces go in their own
+step (T = PIECE_WIDTH) and decode rows in theirs (T = γ + 1 or so), so neither pads to the
+other's width. Only rows outside the pool (or every wide row when the model prefills
+through a second weight copy) go through SlotForward, eagerly.
+
+The steps (and graphs) end at the final norm: [B, T, hidden]. The LM head runs once per
+forward on the positions a row keeps, so padding and a prompt's unread positions cost no
+vocabulary-wide matmul, and the graphs' shared output holds hidden states, not logits
+([max B · T · hidden] instead of [max B · T · V]: 1.2 GB less at B = 128 with a 152k vocabulary).
+On the CPU the same steps run eagerly: that is what the tests compare with the eager path.
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ log = logging.getLogger(__name__)
 # so the common shapes are exact: widths 1 (decode), 2 (drafter catch-up), γ+1 up to γ=8.
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 WIDTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17, 24, 32)
+PIECE_WIDTH = WIDTH_BUCKETS[-1]  # a prompt chunk's rows: wide enough that a piece's MLP is compute-bound
 MIN_CONTEXT_BUCKET = 64  # then 64·2^k and 96·2^k: attention reads at most 1.5x the longest row
 STATIC_ROPE_TYPES = (None, "default", "linear", "llama3")  # cos/sin of a position never change
 
@@ -62,6 +73,19 @@ def static_supported(model) -> bool:
     return rope_type in STATIC_ROPE_TYPES
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """One row of a static step: `token_ids` appended at position `start` of pool row
+    `index`, for row `row` of the forward, whose kept positions in this piece are
+    token_ids[keep_from:]."""
+
+    row: int
+    index: int
+    start: int
+    token_ids: list[int]
+    keep_from: int
+
+
 @dataclass
 class _Bucket:
     """Static buffers of one (B, T, C) shape, and its CUDA graph once captured. The inputs
@@ -71,7 +95,7 @@ class _Bucket:
     inputs: torch.Tensor  # [B·T + 3B] long: ids, slot, start, nreal
     B: int
     T: int
-    logits: torch.Tensor | None = None  # [B, T, V]: the graph's output, a view of the shared buffer
+    hidden: torch.Tensor | None = None  # [B, T, hidden]: the graph's output, a view of the shared buffer
     graph: object | None = None  # torch.cuda.CUDAGraph
 
     def views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -85,9 +109,10 @@ class StaticForward:
     """Bucketed static-shape forward over `pool`; CUDA graphs when `graphs` (CUDA only)."""
 
     def __init__(self, slots: SlotForward, pool: SlotPool, graphs: bool | None = None,
-                 max_batch: int = BATCH_BUCKETS[-1], max_width: int = WIDTH_BUCKETS[-1]) -> None:
-        """max_batch / max_width: the largest bucket (more rows run in chunks, wider rows
-        eagerly); they size the graphs' shared logits buffer, [max_batch · max_width · V]."""
+                 max_batch: int = BATCH_BUCKETS[-1], max_width: int = WIDTH_BUCKETS[-1], pieces: bool = True) -> None:
+        """max_batch: the largest batch bucket (more rows run in chunks). max_width: the
+        widest row of a step (a verify); wider rows run as pieces of PIECE_WIDTH tokens when
+        `pieces`, else eagerly. The graphs' shared output is [max_batch · widest bucket · hidden]."""
         if not static_supported(slots.model):
             raise ValueError("the static forward precomputes rotary tables; this model's rope scaling changes them "
                              "with the length")
@@ -101,8 +126,12 @@ class StaticForward:
         if not 1 <= max_batch or not 1 <= max_width <= WIDTH_BUCKETS[-1]:
             raise ValueError(f"need max_batch >= 1 and 1 <= max_width <= {WIDTH_BUCKETS[-1]}")
         self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (max_batch,)
-        self.width_buckets = tuple(w for w in WIDTH_BUCKETS if w < max_width) + (max_width,)
         self.max_width = max_width
+        self.pieces = pieces
+        self.piece_width = max(PIECE_WIDTH, max_width) if pieces else max_width
+        self.width_buckets = tuple(w for w in WIDTH_BUCKETS if w < max_width) + (max_width,)
+        if self.piece_width > max_width:
+            self.width_buckets += (self.piece_width,)
         self.max_len = slots.max_len
         self.groups = slots.num_heads // slots.num_kv_heads
         inner = self.model.model
@@ -113,13 +142,14 @@ class StaticForward:
         self.cos, self.sin = cos[0], signed_sin(sin[0])  # [M, D]; sin signed for `rotate`
         self._buckets: dict[tuple[int, int, int], _Bucket] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None
-        # Graph outputs: one flat buffer shared by every graph (each writes its first B·T·V
-        # elements), allocated outside the graphs' pool, so no graph keeps a logits tensor
+        # Graph outputs: one flat buffer shared by every graph (each writes its first B·T·hidden
+        # elements), allocated outside the graphs' pool, so no graph keeps an output tensor
         # alive and the pool only ever holds one step's activations.
         self._graph_out: torch.Tensor | None = None
 
     def accepts(self, row: Row) -> bool:
-        return len(row.token_ids) <= self.max_width and row.slot.index is not None
+        """Whether `row` runs on this path (as one step row, or as pieces)."""
+        return row.slot.index is not None and (self.pieces or len(row.token_ids) <= self.max_width)
 
     def context_bucket(self, end: int) -> int:
         c = MIN_CONTEXT_BUCKET
@@ -131,47 +161,79 @@ class StaticForward:
     def forward(self, rows: list[Row],
                 eager: Callable[[list[Row]], list[torch.Tensor]] | None = None) -> list[torch.Tensor]:
         """Append each row's tokens to its slot; per row the logits [keep, V] float32 of its
-        last `keep` positions. Rows of up to 32 tokens in pool slots run as static buckets
-        (in chunks of the largest batch bucket); wider rows run through `eager` (default:
-        the slot forward)."""
+        last `keep` positions. Pool rows of up to max_width tokens run as static steps (in
+        chunks of the largest batch bucket), wider pool rows as pieces in steps of their own;
+        the rest run through `eager` (default: the slot forward)."""
+        check_rows(rows)
         eager = eager or self._eager
-        wide = [i for i, r in enumerate(rows) if not self.accepts(r)]
-        narrow = [i for i, r in enumerate(rows) if self.accepts(r)]
         out: list[torch.Tensor | None] = [None] * len(rows)
-        for lo in range(0, len(narrow), self.batch_buckets[-1]):
-            chunk = narrow[lo : lo + self.batch_buckets[-1]]
-            for i, logits in zip(chunk, self._static([rows[i] for i in chunk])):
-                out[i] = logits
-        if wide:
-            for i, logits in zip(wide, eager([rows[i] for i in wide])):
+        static = [i for i, r in enumerate(rows) if self.accepts(r)]
+        if static:
+            kept, parts = [], []  # per step the kept hidden states; per part (row, start, positions)
+            chunk_size = self.batch_buckets[-1]
+            for group in self._pieces(rows, static):
+                for lo in range(0, len(group), chunk_size):
+                    chunk = group[lo : lo + chunk_size]
+                    kept.append(self._static(chunk))
+                    parts += [(p.row, p.start, len(p.token_ids) - p.keep_from) for p in chunk
+                              if p.keep_from < len(p.token_ids)]
+            hidden = torch.cat(kept) if len(kept) > 1 else kept[0]  # [sum keep, hidden], in step order
+            if parts != sorted(parts):  # back to row order: a wide row came before a short one
+                split = torch.split(hidden, [n for _, _, n in parts])
+                hidden = torch.cat([split[j] for j in sorted(range(len(parts)), key=parts.__getitem__)])
+            logits = self.model.lm_head(hidden).float()  # [sum keep, V]
+            for i, part in zip(static, torch.split(logits, [rows[i].keep for i in static])):
+                out[i] = part
+            for i in static:
+                rows[i].slot.length += len(rows[i].token_ids)
+        rest = [i for i, r in enumerate(rows) if not self.accepts(r)]
+        if rest:
+            for i, logits in zip(rest, eager([rows[i] for i in rest])):
                 out[i] = logits
         return out
+
+    def _pieces(self, rows: list[Row], static: list[int]) -> tuple[list[_Piece], list[_Piece]]:
+        """The step rows of rows[static]: (rows of up to max_width tokens, the PIECE_WIDTH
+        pieces of wider rows), each in row order. Two groups, so that decode rows never pad to
+        a piece's width; a row keeps its last `keep` positions, wherever its pieces end."""
+        short, wide = [], []
+        for i in static:
+            r = rows[i]
+            n = len(r.token_ids)
+            group, width = (short, n) if n <= self.max_width else (wide, self.piece_width)
+            for lo in range(0, n, width):
+                group.append(_Piece(i, r.slot.index, r.slot.length + lo, r.token_ids[lo : lo + width],
+                                    keep_from=max(0, n - r.keep - lo)))
+        return short, wide
 
     def _eager(self, rows: list[Row]) -> list[torch.Tensor]:
         return list(torch.split(self.slots.forward(rows), [r.keep for r in rows]))
 
-    def _static(self, rows: list[Row]) -> list[torch.Tensor]:
-        check_rows(rows)
-        B = _bucket(len(rows), self.batch_buckets)
-        T = _bucket(max(len(r.token_ids) for r in rows), self.width_buckets)
-        C = self.context_bucket(max(r.slot.length + len(r.token_ids) for r in rows))
+    def _static(self, pieces: list[_Piece]) -> torch.Tensor:
+        """One static step of `pieces`; the hidden states [sum kept, hidden] of the positions
+        they keep, in piece order (a copy: a graph's output is overwritten by the next replay)."""
+        B = _bucket(len(pieces), self.batch_buckets)
+        T = _bucket(max(len(p.token_ids) for p in pieces), self.width_buckets)
+        C = self.context_bucket(max(p.start + len(p.token_ids) for p in pieces))
         bucket = self._bucket_for(B, T, C)
         host = [0] * (B * T) + [self.pool.scratch] * B + [0] * (2 * B)  # padding: scratch slot, 0 tokens
-        for b, r in enumerate(rows):
-            n = len(r.token_ids)
-            host[b * T : b * T + n] = r.token_ids
-            host[B * T + b], host[B * T + B + b], host[B * T + 2 * B + b] = r.slot.index, r.slot.length, n
+        for b, p in enumerate(pieces):
+            n = len(p.token_ids)
+            host[b * T : b * T + n] = p.token_ids
+            host[B * T + b], host[B * T + B + b], host[B * T + 2 * B + b] = p.index, p.start, n
         bucket.inputs.copy_(torch.tensor(host, dtype=torch.long), non_blocking=True)
         if bucket.graph is not None:
             with self._on_device():
                 bucket.graph.replay()
-            # A copy even for float32: the graphs' output buffer is overwritten by the next replay.
-            logits = bucket.logits[: len(rows)].to(torch.float32, copy=True)  # [rows, T, V]
+            hidden = bucket.hidden
         else:
-            logits = self._step(*bucket.views(), C)[: len(rows)].float()
-        for r in rows:
-            r.slot.length += len(r.token_ids)
-        return [logits[b, len(r.token_ids) - r.keep : len(r.token_ids)] for b, r in enumerate(rows)]
+            hidden = self._step(*bucket.views(), C)
+        width = hidden.shape[-1]
+        if all(p.keep_from == 0 and len(p.token_ids) == T for p in pieces):  # a verify of equal widths
+            kept = hidden[: len(pieces)].reshape(-1, width)
+            return kept.clone() if bucket.graph is not None else kept
+        index = [b * T + t for b, p in enumerate(pieces) for t in range(p.keep_from, len(p.token_ids))]
+        return hidden.view(-1, width).index_select(0, torch.tensor(index, dtype=torch.long, device=hidden.device))
 
     def _bucket_for(self, B: int, T: int, C: int, warmup: int = 2) -> _Bucket:
         key = (B, T, C)
@@ -215,11 +277,11 @@ class StaticForward:
         execute, write only the scratch row."""
         args = (*bucket.views(), C)
         B, T = bucket.B, bucket.T
-        vocab = self.model.lm_head.out_features
+        width = self.model.config.hidden_size
         if self._graph_out is None:
-            self._graph_out = torch.empty(self.batch_buckets[-1] * self.max_width * vocab, dtype=self.slots.dtype,
-                                          device=self.device)
-        out = self._graph_out[: B * T * vocab].view(B, T, vocab)
+            self._graph_out = torch.empty(self.batch_buckets[-1] * self.width_buckets[-1] * width,
+                                          dtype=self.slots.dtype, device=self.device)
+        out = self._graph_out[: B * T * width].view(B, T, width)
         side = torch.cuda.Stream(device=self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up off the capture: cuBLAS workspaces, lazy inits
@@ -230,13 +292,14 @@ class StaticForward:
         # thread_local: a CUDA call of another thread (a gRPC handler) must not void the capture.
         with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
             out.copy_(self._step(*args))
-        bucket.logits, bucket.graph = out, graph
+        bucket.hidden, bucket.graph = out, graph
         log.debug("captured CUDA graph B=%d T=%d C=%d", B, T, C)
 
     def _step(self, ids: torch.Tensor, slot: torch.Tensor, start: torch.Tensor, nreal: torch.Tensor,
               C: int) -> torch.Tensor:
         """One forward of a bucket from its buffers (shapes in the module docstring); returns
-        logits [B, T, V]. Pure tensor ops on the device: capturable, no host sync."""
+        the normed hidden states [B, T, hidden]. Pure tensor ops on the device: capturable, no
+        host sync."""
         B, T = ids.shape
         sf, inner = self.slots, self.model.model
         H, Hkv, D, G = sf.num_heads, sf.num_kv_heads, sf.head_dim, self.groups
@@ -271,7 +334,7 @@ class StaticForward:
             o = o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)  # head = j·G + g
             h = h + attn.o_proj(o)
             h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
-        return self.model.lm_head(rms_norm(inner.norm, h))  # [B, T, V]
+        return rms_norm(inner.norm, h)  # [B, T, hidden]
 
     def shape_count(self) -> int:
         return len(self._buckets)

@@ -96,6 +96,62 @@ def test_static_step_at_the_edges_of_its_buckets(target_lm):
         assert torch.allclose(g, want, atol=1e-4)
 
 
+def test_prompt_chunks_run_as_pieces_of_static_steps(target_lm):
+    """Rows wider than the widest step row (prompt chunks) run on the static path as pieces
+    of PIECE_WIDTH tokens, in steps of their own, never eagerly: a 70-token row keeping every
+    position (prompt_logprobs) before a 3-token row, and a 100-token row whose pieces spill
+    into a second step (largest batch bucket 4). Logits and the K/V written equal the eager
+    slot forward's, rows come back in their order, and a decode step after them agrees too."""
+    fwd = target_lm.slots
+    fast = StaticForward(fwd, fwd.new_pool(3), max_batch=4, max_width=5)
+    text = " ".join(PROMPTS) * 6
+    seqs = [_ids(target_lm, text)[:70], _ids(target_lm, PROMPTS[1]), _ids(target_lm, text)[5:105]]
+    pre = [0, 4, 0]  # tokens cached before the step (the short row's session is mid-generation)
+    keeps = [70, 2, 1]
+    pooled, plain = [fast.pool.acquire() for _ in seqs], [fwd.new_slot() for _ in seqs]
+    for s_, n, p, q in zip(seqs, pre, pooled, plain):
+        if n:
+            fast.forward([Row(p, s_[:n], 1)])
+            fwd.forward([Row(q, s_[:n], 1)])
+
+    def no_eager(rows):
+        raise AssertionError(f"{len(rows)} rows went eagerly")
+
+    before = set(fast._buckets)
+    got = fast.forward([Row(p, s_[n:], k) for s_, n, k, p in zip(seqs, pre, keeps, pooled)], eager=no_eager)
+    want = torch.split(fwd.forward([Row(q, s_[n:], k) for s_, n, k, q in zip(seqs, pre, keeps, plain)]), keeps)
+    # pieces 32+32+6 and 32+32+32+4 in steps of 4 and 3 rows at T = 32; the short row alone
+    assert len(seqs[1]) - pre[1] <= 5
+    assert {(B, T) for B, T, _ in set(fast._buckets) - before} == {(1, len(seqs[1]) - pre[1]), (4, 32)}
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        assert torch.allclose(g, w, atol=1e-4), float((g - w).abs().max())
+    for s_, p, q in zip(seqs, pooled, plain):
+        assert p.length == q.length == len(s_)
+        assert torch.allclose(p.data[:, :, :, : p.length], q.data[:, :, :, : q.length], atol=1e-4)
+    nxt = [[int(g[-1].argmax())] for g in got]
+    got = fast.forward([Row(p, t, 1) for p, t in zip(pooled, nxt)], eager=no_eager)
+    want = fwd.forward([Row(q, t, 1) for q, t in zip(plain, nxt)])
+    assert torch.allclose(torch.cat(got), want, atol=1e-4)
+
+
+def test_a_pool_model_with_a_prefill_copy_keeps_its_wide_rows_eager(target_lm):
+    """`pieces=False` (CausalLM's choice when a second weight copy prefills): rows wider than
+    max_width go to the eager callable, the others stay static."""
+    fwd = target_lm.slots
+    fast = StaticForward(fwd, fwd.new_pool(2), max_width=5, pieces=False)
+    went: list[int] = []
+
+    def eager(rows):
+        went.extend(len(r.token_ids) for r in rows)
+        return list(torch.split(fwd.forward(rows), [r.keep for r in rows]))
+
+    ids = _ids(target_lm, PROMPTS[2])
+    a, b = fast.pool.acquire(), fast.pool.acquire()
+    fast.forward([Row(a, ids[:3], 1), Row(b, ids, 1)], eager=eager)
+    assert went == [len(ids)] and {T for _, T, _ in fast._buckets} == {3}
+
+
 def test_fast_path_greedy_tokens_equal_the_eager_transformers_path(fast_lm):
     """Two sessions decoded together through CausalLM.forward_rows (the engines' call) give
     token for token what transformers' own forward gives each prompt alone."""
@@ -180,7 +236,8 @@ def test_services_with_the_fast_path_match_target_only(verifier_proc):
     with start_service("verifier", args, threads=1) as verifier, start_service("drafter", args, threads=1) as drafter, \
             SpeculativeClient(verifier_proc.address) as ref, \
             SpeculativeClient(verifier.address, drafter=drafter.address, fanout=2) as fast:
-        for prompt in PROMPTS:
+        # the last: a 300-token prompt, prefilled in chunks (256 tokens a step on a CPU) of static pieces
+        for prompt in [*PROMPTS, " ".join(PROMPTS * 12)]:
             want = ref.generate(prompt, params, target_only=True).token_ids
             got = fast.generate(prompt, params, num_speculative_tokens=4)
             assert got.token_ids == want

@@ -12,6 +12,7 @@ tests/test_triton_sampler.py):
   * the fast path (static slot pool, bucketed static-shape step, one CUDA graph per
     bucket) against eager transformers in bfloat16 and float32 over a grid of (B, T, C)
     buckets, each bucket captured then replayed with new inputs;
+  * prompt chunks as pieces of static steps (graphs on CUDA) against transformers;
   * a freed pool slot serving a new session exactly as a fresh slot would;
   * the fused Triton sampler compiled (not interpreted) against the torch path, token for
     token, at the verification issue's shapes, and a chi-square test of its output;
@@ -38,7 +39,7 @@ from bench.engine import build_model, save_random_model
 from client.launcher import ServiceProcess, start_service
 from specdec.sampling import SamplingParams
 from specdec.slot_forward import Row, SlotForward
-from specdec.static_forward import StaticForward
+from specdec.static_forward import PIECE_WIDTH, StaticForward
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()
@@ -96,7 +97,7 @@ def _grid_point(fast: StaticForward, models: dict, rows: int, width: int, start:
     steps = [[torch.randint(vocab, (w,), generator=g).tolist() for w in widths] for _ in range(2)]
     slots = [fast.pool.acquire() for _ in range(rows)]
     for slot, prompt in zip(slots, prompts):
-        fast.forward([Row(slot, prompt, 1)])  # > 32 tokens: the eager prefill on the pool slot
+        fast.forward([Row(slot, prompt, 1)])  # > T: a prefill in pieces of PIECE_WIDTH, a bucket of its own
     out = {"fast": [fast.forward([Row(s, ids, len(ids)) for s, ids in zip(slots, step)]) for step in steps]}
     for name, model in models.items():
         per_row = [_hf_steps(model, p, [steps[0][b], steps[1][b]]) for b, p in enumerate(prompts)]
@@ -157,11 +158,41 @@ def test_fast_path_matches_eager_transformers_over_the_bucket_grid(float32_model
                 agree = fast_logits.argmax(-1) == ref.argmax(-1)
                 assert bool(agree[clear].all()), where
                 report.append(float(agree.float().mean()))
-    # Each point ran in a bucket of its own, captured (CUDA) by its first step and replayed by its second.
-    assert fast.shape_count() == len(GRID)
+    # Each point ran in a bucket of its own, captured (CUDA) by its first step and replayed by its second
+    # (the prompts' prefills ran in buckets of their own, T = PIECE_WIDTH).
+    assert len([T for _, T, _ in fast._buckets if T <= 9]) == len(GRID)
+    assert {T for _, T, _ in fast._buckets if T > 9} == {PIECE_WIDTH}
     if CUDA:
         assert all(b.graph is not None for b in fast._buckets.values())
     print(f"{PRESET[role]} {dtype}: greedy agreement with transformers per step {[round(a, 3) for a in report]}")
+
+
+def test_prompt_chunks_replay_as_graphs_of_pieces(float32_models):
+    """A 150-token prompt keeping every position (prompt_logprobs) before a decode row, in
+    float32: its pieces of PIECE_WIDTH run in a step of their own (captured, then replayed),
+    and every position's logits are within 1e-3 (relative) of transformers' own forward."""
+    model = float32_models("target")
+    slots = SlotForward(model, max_len=MAX_LEN)
+    fast = StaticForward(slots, slots.new_pool(2), max_batch=8, max_width=5)
+    g = torch.Generator().manual_seed(11)
+    vocab = model.config.vocab_size
+    prompt, other = torch.randint(vocab, (150,), generator=g).tolist(), torch.randint(vocab, (20,), generator=g).tolist()
+    a, b = fast.pool.acquire(), fast.pool.acquire()
+    with torch.inference_mode():
+        fast.forward([Row(b, other[:-1], 1)])
+        outs = []
+        for _ in range(2):  # the first step captures its buckets, the second replays them
+            a.length, b.length = 0, len(other) - 1
+            outs.append(fast.forward([Row(a, prompt, len(prompt)), Row(b, other[-1:], 1)]))
+        want = [model(torch.tensor([prompt], device=DEVICE)).logits[0].float(),
+                model(torch.tensor([other], device=DEVICE)).logits[0, -1:].float()]
+    assert {T for _, T, _ in fast._buckets} == {1, PIECE_WIDTH}
+    if CUDA:
+        assert all(bucket.graph is not None for bucket in fast._buckets.values())
+    for got in outs:
+        for g_, w in zip(got, want):
+            assert g_.shape == w.shape
+            assert float((g_ - w).abs().max()) <= 1e-3 * float(w.abs().max())
 
 
 def test_a_freed_slot_serves_a_new_session_as_a_fresh_slot_would(float32_models):

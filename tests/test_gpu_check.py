@@ -68,7 +68,8 @@ def test_the_cpu_quick_report_has_every_section(cpu_run):
     _, out, report = cpu_run
     engine = report["engine"]["rows"]
     assert {(r["role"], r["batch"], r["width"]) for r in engine} == {
-        ("verify", 1, 5), ("verify", 2, 5), ("target-decode", 1, 1), ("target-decode", 2, 1)}
+        ("verify", 1, 5), ("verify", 2, 5), ("target-decode", 1, 1), ("target-decode", 2, 1),
+        ("prefill", 1, 256), ("prefill", 4, 256)}  # prompt chunks: static pieces on the fast path
     assert all(r["fast_ms"] > 0 and r["eager_ms"] > 0 and r["greedy_agreement"] == 1.0 for r in engine)
     sampler = report["sampler"]["rows"]
     assert [r["batch_size"] for r in sampler] == [1, 4] and all(r["rejection_dense_q_us"] > 0 for r in sampler)
