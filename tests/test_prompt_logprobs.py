@@ -92,6 +92,25 @@ def test_prompt_logprobs_are_the_models_own_across_a_chunked_prefill(client, ref
     assert result.num_draft_tokens > 0 and plain.prompt_logprobs is None
 
 
+def test_prompt_logprobs_on_the_fast_path_come_from_its_pieces(model_dir, client, reference):
+    """A verifier on the fast path (`--fast-path on`, the CUDA default, run eagerly here) scores
+    the whole prompt in one step as pieces of 32 tokens (static_forward.py), every position kept:
+    the same logprobs as the full transformers forward, and the same greedy tokens as the eager
+    verifier's."""
+    ids, logp = reference
+    assert 32 < len(ids) <= 80  # two pieces, one step
+    want = client.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8), target_only=True).token_ids
+    with start_service("verifier", ["--model", str(model_dir), "--fast-path", "on", "--max-num-batched-tokens", "80",
+                                    "--log-level", "WARNING"], threads=SERVICE_THREADS) as v, \
+            SpeculativeClient(verifier=v.address) as fast:
+        result = fast.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=2), target_only=True)
+    assert result.token_ids == want and len(result.prompt_logprobs) == len(ids)
+    for i, entry in enumerate(result.prompt_logprobs[1:], start=1):
+        assert entry["token_id"] == ids[i]
+        assert entry["logprob"] == pytest.approx(logp[i - 1][ids[i]].item(), abs=1e-4)
+        assert list(entry["top_logprobs"]) == torch.topk(logp[i - 1], 2).indices.tolist()
+
+
 def test_a_one_token_prompt_has_nothing_to_score(client):
     ids = client.encode_prompt(PROMPT)[:1]
     result = client.generate(ids, SamplingParams(temperature=0.8, seed=3, max_tokens=4, prompt_logprobs=0))
