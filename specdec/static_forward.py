@@ -233,7 +233,9 @@ class StaticForward:
             kept = hidden[: len(pieces)].reshape(-1, width)
             return kept.clone() if bucket.graph is not None else kept
         index = [b * T + t for b, p in enumerate(pieces) for t in range(p.keep_from, len(p.token_ids))]
-        return hidden.view(-1, width).index_select(0, torch.tensor(index, dtype=torch.long, device=hidden.device))
+        # non_blocking: a blocking copy would wait for the step on the device (a host sync per step)
+        index = torch.tensor(index, dtype=torch.long).to(hidden.device, non_blocking=True)
+        return hidden.view(-1, width).index_select(0, index)
 
     def _bucket_for(self, B: int, T: int, C: int, warmup: int = 2) -> _Bucket:
         key = (B, T, C)
