@@ -46,7 +46,9 @@ def _run_generate(args: argparse.Namespace, params) -> int:
     from client.speculative import SpeculativeClient
     from specdec_rpc.ops import read_token
 
+    # γ at construction too: a fixed γ past the services' --max-draft-tokens is said once, at start
     with SpeculativeClient(args.verifier, drafter=None if args.target_only else args.drafter,
+                           num_speculative_tokens=args.num_speculative_tokens,
                            timeout_s=args.timeout_s, recovery_timeout_s=args.recovery_timeout_s,
                            proposal_format=proposal_format(args),
                            tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,

@@ -3,6 +3,7 @@ turns each round's verified tokens into them (stop conditions, incremental detok
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Sequence
@@ -228,3 +229,50 @@ def find_stop(text: str, stops: Sequence[str], start: int) -> tuple[int, str] | 
         if i != -1 and (best is None or i < best[0]):
             best = (i, s)
     return best
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable character that stands for each byte."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    out, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[chr(b)] = b
+        else:
+            out[chr(256 + shifted)] = b
+            shifted += 1
+    return out
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+
+
+class TokenBytes:
+    """A token's own bytes, OpenAI's logprobs `bytes`: what a client joins to rebuild the text.
+
+    Decoded alone, a token that holds part of a UTF-8 character is U+FFFD, whose bytes say
+    nothing of it (`日` is two tokens of the embedded tokenizer, each "\ufffd" alone). For a
+    byte-level BPE tokenizer (GPT-2's, Llama 3's, SmolLM's, Qwen's) a vocabulary entry spells
+    its bytes in the alphabet above, and a SentencePiece byte-fallback token names its byte;
+    any other token gives the UTF-8 of its text."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        state = decoder.__getstate__() if decoder is not None else b""
+        self._alphabet = _byte_alphabet() if b'"type":"ByteLevel"' in state else None
+        self._cache: dict[int, bytes] = {}
+
+    def __call__(self, token_id: int) -> bytes:
+        if (cached := self._cache.get(token_id)) is not None:
+            return cached
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if self._alphabet is not None and piece and all(c in self._alphabet for c in piece):
+            out = bytes(self._alphabet[c] for c in piece)
+        elif piece and (m := _BYTE_FALLBACK.fullmatch(piece)):
+            out = bytes([int(m.group(1), 16)])
+        else:
+            out = self.tokenizer.decode([token_id]).encode("utf-8")
+        self._cache[token_id] = out
+        return out

@@ -160,7 +160,8 @@ class Gateway:
         # The echoed text is the prompt as sent (token ids: their text), as vLLM's.
         echo_texts = [p if isinstance(p, str) else client.tokenizer.decode(p) for p in raw_prompts] if echo else []
         builder = ResponseBuilder(chat=chat, model=model, prompt_tokens=sum(map(len, prompts)),
-                                  decode=upstream.decode_token, logprobs=choices[0][1].logprobs is not None,
+                                  decode=upstream.decode_token, token_bytes=upstream.token_bytes,
+                                  logprobs=choices[0][1].logprobs is not None,
                                   include_usage=bool(body.stream_options and body.stream_options.include_usage),
                                   continuous_usage=bool(body.stream_options and body.stream_options.include_usage
                                                         and body.stream_options.continuous_usage_stats),
@@ -296,6 +297,16 @@ async def list_models(request: Request) -> dict:
     client = await gw.upstream.wait_ready()  # like a completion, while the gateway still connects
     info = client.verifier_info
     return models_list(list(gw.served_names()), info.model, info.max_context, gw.started)
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request) -> dict:
+    """OpenAI's models.retrieve: one served name's card; another name is 404 model_not_found."""
+    gw = _gateway(request)
+    client = await gw.upstream.wait_ready()
+    info = client.verifier_info
+    name = gw.check_model(model)  # the verifier's own tagged id answers as the served name, as in a completion
+    return models_list([name], info.model, info.max_context, gw.started)["data"][0]
 
 
 @router.post("/tokenize")
@@ -479,8 +490,9 @@ def _finish(runs: list[_Choice], builder: ResponseBuilder, results: list[Generat
     """Metrics per choice (a generation each, unless not `count`), one log line per request."""
     for i, run in enumerate(runs):
         if count:
-            run.timer.finish(run.prompt_tokens, results[i] if results is not None else None, reason)
-    start, tokens = runs[0].timer.start, sum(run.timer.tokens for run in runs)
+            run.timer.finish(run.prompt_tokens, results[i] if results is not None else None, reason,
+                             scored_only=builder.echo_only)
+    start, tokens = runs[0].timer.start, 0 if builder.echo_only else sum(run.timer.tokens for run in runs)
     if results is None:
         log.info("request id=%s endpoint=%s choices=%d prompt_tokens=%d completion_tokens=%d finish=%s ms=%.0f",
                  builder.id, runs[0].timer.endpoint, len(runs), builder.prompt_tokens, tokens, reason,
@@ -488,7 +500,7 @@ def _finish(runs: list[_Choice], builder: ResponseBuilder, results: list[Generat
     else:
         log.info("request id=%s endpoint=%s choices=%d prompt_tokens=%d completion_tokens=%d finish=%s ms=%.0f "
                  "rounds=%d drafts=%d accepted=%d", builder.id, runs[0].timer.endpoint, len(runs),
-                 builder.prompt_tokens, sum(len(r.token_ids) for r in results),
+                 builder.prompt_tokens, 0 if builder.echo_only else sum(len(r.token_ids) for r in results),
                  ",".join(r.finish_reason for r in results), 1000 * (time.perf_counter() - start),
                  sum(r.num_rounds for r in results), sum(r.num_draft_tokens for r in results),
                  sum(r.num_accepted_tokens for r in results))

@@ -88,15 +88,19 @@ class RequestTimer:
         self.last = now
         self.tokens += num_tokens
 
-    def finish(self, prompt_tokens: int, result: GenerationResult | None, reason: str | None = None) -> None:
-        """result: the finished generation; None when it ended early (reason: abort / error)."""
+    def finish(self, prompt_tokens: int, result: GenerationResult | None, reason: str | None = None,
+               scored_only: bool = False) -> None:
+        """result: the finished generation; None when it ended early (reason: abort / error).
+        scored_only: a request that scores its prompt (echo, max_tokens 0): the token generated
+        for its logits is not part of the answer, so none counts as generated."""
         m, labels = self.metrics, (self.model, self.endpoint)
         m.prompt_tokens.labels(*labels).inc(prompt_tokens)
-        m.generation_tokens.labels(*labels).inc(len(result.token_ids) if result is not None else self.tokens)
+        generated = 0 if scored_only else len(result.token_ids) if result is not None else self.tokens
+        m.generation_tokens.labels(*labels).inc(generated)
         if result is not None:
             now = time.perf_counter()
             m.e2e.labels(*labels).observe(now - self.start)
-            if self.first is not None and len(result.token_ids) > 1:
+            if self.first is not None and generated > 1:
                 m.tpot.labels(*labels).observe((now - self.first) / (len(result.token_ids) - 1))
             m.drafts.labels(*labels).inc(result.num_speculative_rounds)
             m.draft_tokens.labels(*labels).inc(result.num_draft_tokens)

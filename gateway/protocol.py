@@ -13,6 +13,7 @@ ignored. A field no API defines is ignored and logged, as vLLM does.
 
 from __future__ import annotations
 
+import codecs
 import logging
 import math
 import time
@@ -24,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from client.output import json_logprob
 from client.speculative import GenerationResult, StreamChunk
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, display_value
 from specdec.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -281,9 +282,11 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_token
                                         f"{prompt_tokens} tokens, which leaves no room for a "
                                         "completion.", code="context_length_exceeded")
     if max_tokens is None:
-        # an unset max_tokens never makes a prompt that fits fail: the default shrinks to the room left
+        # An unset max_tokens never makes a prompt that fits fail: the default shrinks to the room
+        # left. Completions default to 16 when the field is absent; an explicit null (and chat's
+        # default) is vLLM's None: up to the context.
         room = max_context - prompt_tokens
-        max_tokens = room if chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
+        max_tokens = room if chat or "max_tokens" in req.model_fields_set else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
     elif prompt_tokens + max_tokens > max_context + echo_only:
         raise bad_request(max_field, f"This model's maximum context length is {max_context} tokens. However, you "
                                      f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
@@ -330,7 +333,8 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, prompt_token
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias]),
                           ("allowed_token_ids", params.allowed_token_ids or ())):
             if bad := [t for t in ids if t >= vocab_size]:
-                raise bad_request(name, f"{name}: token id {bad[0]} is outside the model's vocabulary [0, {vocab_size})")
+                raise bad_request(name, f"{name}: token id {display_value(bad[0])} is outside the model's vocabulary "
+                                        f"[0, {vocab_size})")
     return params
 
 
@@ -346,9 +350,10 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         try:
             token = int(key)
         except ValueError:
-            raise bad_request("logit_bias", f"logit_bias: keys are token ids, got {key!r}") from None
+            raise bad_request("logit_bias", f"logit_bias: keys are token ids, got {display_value(key)}") from None
         if not math.isfinite(value):
-            raise bad_request("logit_bias", f"logit_bias: the bias of token {key} must be a finite number, got {value}")
+            raise bad_request("logit_bias", f"logit_bias: the bias of token {display_value(token)} must be a finite "
+                                            f"number, got {value}")
         out[token] = max(-LOGIT_BIAS_BOUND, min(LOGIT_BIAS_BOUND, value))
     return out
 
@@ -403,6 +408,7 @@ class ResponseBuilder:
     model: str
     prompt_tokens: int  # of all the request's prompts, each counted once (not per choice)
     decode: Any  # token id -> its text
+    token_bytes: Any = None  # token id -> its own bytes (client.output.TokenBytes); None: its text's UTF-8
     include_usage: bool = False
     continuous_usage: bool = False
     choice_prompts: list[list[int]] = field(default_factory=list)  # per choice: its prompt's ids
@@ -415,11 +421,13 @@ class ResponseBuilder:
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     _offsets: dict[int, int] = field(default_factory=dict)  # per choice: text_offset of its next logprob
+    _utf8: dict[int, Any] = field(default_factory=dict)  # per choice: the bytes of a character still incomplete
     _echoed: set[int] = field(default_factory=set)  # choices whose stream has sent its prompt
     _generated: dict[int, int] = field(default_factory=dict)  # per choice: tokens streamed so far
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.token_bytes = self.token_bytes or (lambda token_id: self.decode(token_id).encode("utf-8"))
 
     def response(self, results: list[GenerationResult]) -> dict:
         """The non-streamed body: one choice per result, in choice order."""
@@ -538,17 +546,20 @@ class ResponseBuilder:
             return None
         if self.chat:
             def item(tok: int, lp: float) -> dict:
-                text = self.decode(tok)
-                return {"token": text, "logprob": json_logprob(lp), "bytes": list(text.encode("utf-8"))}
+                return {"token": self.decode(tok), "logprob": json_logprob(lp), "bytes": list(self.token_bytes(tok))}
 
             return {"content": [{**item(e["token_id"], e["logprob"]),
                                  "top_logprobs": [item(t, v) for t, v in e["top_logprobs"].items()]}
                                 for e in entries], "refusal": None}
         tokens = [self.decode(e["token_id"]) for e in entries]
+        # A token's offset is the characters of the text before it, from the tokens' bytes: the
+        # part of a character that a token holds counts once, with the token that completes it
+        # (decoded alone, each part is a U+FFFD of its own, and the offsets ran past the text).
+        utf8 = self._utf8.setdefault(index, codecs.getincrementaldecoder("utf-8")("replace"))
         offsets, offset = [], self._offsets.get(index, 0)
-        for text in tokens:
+        for e in entries:
             offsets.append(offset)
-            offset += len(text)
+            offset += len(utf8.decode(self.token_bytes(e["token_id"])))
         self._offsets[index] = offset
         # An echoed prompt's first token has no logprob: null in both lists, as vLLM.
         return {"tokens": tokens,

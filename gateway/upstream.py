@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 import anyio
 import grpc
 
+from client.output import TokenBytes
 from client.pool import parse_addresses
 from client.speculative import ClientClosed, IncompatibleModels, SpeculativeClient, StreamChunk
 from gateway.protocol import APIError
@@ -221,6 +222,7 @@ class Upstream:
         self._factory = client_factory or _make_client
         self._tokenizers = _TokenizerCopies()
         self._chars_per_token: tuple[SpeculativeClient, int] | None = None  # (client, longest vocabulary entry)
+        self._token_bytes: TokenBytes | None = None  # of the connected client's tokenizer
         self._slots: asyncio.Semaphore | None = None  # max_concurrent_requests; made on the loop
         self._generations: set[Generation] = set()
         # Not bound to a loop until first awaited (Python >= 3.10): the app may build this object
@@ -389,6 +391,13 @@ class Upstream:
 
     def decode_token(self, token_id: int) -> str:
         return self.require().tokenizer.decode([token_id])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (client.output.TokenBytes), for the client now connected."""
+        tokenizer = self.require().tokenizer
+        if self._token_bytes is None or self._token_bytes.tokenizer is not tokenizer:
+            self._token_bytes = TokenBytes(tokenizer)
+        return self._token_bytes(token_id)
 
     def start(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
         """Start a generation (it waits for a slot); read it with `next()`, `cancel()` when done."""

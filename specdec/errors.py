@@ -59,6 +59,13 @@ def display_id(session_id: str) -> str:
     return f"{session_id[:SHOWN_ID_CHARS]!r}... ({len(session_id)} characters)"
 
 
+def display_value(value: object) -> str:
+    """A caller's value as an error message shows it: cut past SHOWN_ID_CHARS characters (a
+    5,000-digit logit_bias key came back whole)."""
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= SHOWN_ID_CHARS else f"{text[:SHOWN_ID_CHARS]}... ({len(text)} characters)"
+
+
 def invalid_text(text: str) -> str | None:
     """Where `text` is no valid Unicode, e.g. "'\\ud800' at character 3" (a lone surrogate:
     JSON's "\\ud800", or bytes of a command-line argument that are not UTF-8); None if it is."""

@@ -441,6 +441,7 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
               "repetition_penalty of 0 as a 32-bit float": {"extra_body": {"repetition_penalty": 1e-50}},
               "logit_bias keyed by a word": {"logit_bias": {"hello": 5}},
               "logit_bias past the vocabulary": {"logit_bias": {str(10**7): 5}},
+              "logit_bias keyed by 5,000 digits": {"logit_bias": {"9" * 5000: 5}},  # came back whole in the error
               "allowed_token_ids past the vocabulary": {"extra_body": {"allowed_token_ids": [5, 10**7]}},
               # refused by the services (min_tokens would mask every allowed token): their field is the param
               "allowed_token_ids all masked by min_tokens": {"max_tokens": 4, "extra_body": {
@@ -485,6 +486,7 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
     ("repetition_penalty of 0 as a 32-bit float", 400, "repetition_penalty", None),
     ("logit_bias keyed by a word", 400, "logit_bias", None),
     ("logit_bias past the vocabulary", 400, "logit_bias", None),
+    ("logit_bias keyed by 5,000 digits", 400, "logit_bias", None),
     ("allowed_token_ids past the vocabulary", 400, "allowed_token_ids", None),
     ("allowed_token_ids all masked by min_tokens", 400, "allowed_token_ids", None),
     ("a lone surrogate in the prompt", 400, "prompt", None),
@@ -497,7 +499,7 @@ def test_bad_request_gets_its_status_and_openai_error_body_and_the_gateway_keeps
     error = reply.response.json() if isinstance(reply, openai.APIStatusError) else reply.json()
     assert set(error) == {"error"} and set(error["error"]) == {"message", "type", "param", "code"}
     assert (error["error"]["param"], error["error"]["code"]) == (param, code)
-    assert error["error"]["message"]
+    assert 0 < len(error["error"]["message"]) < 1000  # a caller's value is shown cut, never whole
     after = oai.completions.create(model=model, prompt="Hello", max_tokens=2, temperature=0)
     assert after.choices[0].finish_reason == "length" and after.usage.completion_tokens == 2
 
@@ -705,6 +707,8 @@ def test_metrics_count_requests_tokens_and_drafts(oai, model, base_url):
     with pytest.raises(openai.BadRequestError):  # refused by the services: no served request, as a gateway 400
         oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                     extra_body={"allowed_token_ids": [5], "stop_token_ids": [5], "min_tokens": 3})
+    # lm-eval's scoring request: the token generated for the prompt's last logits is no answer's
+    scored = oai.completions.create(model=model, prompt="Hi there", max_tokens=0, echo=True, logprobs=1)
     after = scrape()
 
     def delta(name: str, **labels) -> float:
@@ -729,6 +733,56 @@ def test_metrics_count_requests_tokens_and_drafts(oai, model, base_url):
     assert delta("vllm:spec_decode_num_drafts_total", **labels) == spec["num_speculative_rounds"]
     assert 0 < spec["num_speculative_rounds"] < spec["num_rounds"]  # the first round never drafts
     assert after.get("vllm:num_requests_running" + json.dumps({"model_name": model})) == 0
+    scoring = {"model_name": model, "endpoint": "/v1/completions"}
+    assert scored.usage.completion_tokens == 0 and delta("vllm:generation_tokens_total", **scoring) == 0
+    assert delta("vllm:prompt_tokens_total", **scoring) == scored.usage.prompt_tokens
+    assert delta("vllm:request_success_total", **scoring, finished_reason="length") == 1
+
+
+def test_logprob_offsets_and_bytes_follow_characters_cut_between_tokens(oai, model, tokenizer):
+    """Completions' text_offset point into the text, a token that holds part of a character at
+    that character (the echoed prompt: 日 and 首 are 2 and 3 tokens); chat's `bytes` join to the
+    reply's UTF-8."""
+    prompt = "日本の首都は東京です"
+    scored = oai.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    choice = scored.choices[0]
+    ids = tokenizer(prompt, add_special_tokens=False).input_ids
+    offsets = choice.logprobs.text_offset
+    assert choice.text == prompt and len(offsets) == len(ids)
+    assert offsets == sorted(offsets) and max(offsets) < len(prompt)  # decoded alone, they ran to len(ids) - 1
+    for token_id, offset in zip(ids, offsets):
+        piece = tokenizer.decode([token_id])
+        if "\ufffd" not in piece:  # a token of whole characters sits where its text is
+            assert prompt[offset : offset + len(piece)] == piece
+    reply = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say 東京 in English."}],
+                                        max_tokens=12, temperature=0, logprobs=True)
+    content = reply.choices[0].logprobs.content
+    joined, text = bytes(b for entry in content for b in entry.bytes), reply.choices[0].message.content.encode()
+    # the whole reply; past it at most a character that max_tokens cut, which the reply does not show
+    assert joined.startswith(text) and len(joined) - len(text) < 4
+
+
+def test_models_retrieve_answers_a_served_name_and_404s_another(oai, model):
+    """OpenAI's GET /v1/models/{id} (the SDK's models.retrieve), the card /v1/models lists."""
+    card = oai.models.retrieve(model)
+    assert card.model_dump() == oai.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as err:
+        oai.models.retrieve("no-such-model")
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+
+
+def test_an_explicit_null_max_tokens_runs_past_the_completions_default_of_16(base_url, model):
+    """vLLM's completions: max_tokens absent is 16, an explicit null is up to the context (here a
+    stop string ends it first)."""
+    body = {"model": model, "prompt": "Counting: 1, 2, 3,", "temperature": 0, "stop": [" 25"]}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    default = httpx.post(f"{base_url}/v1/completions", json=body, headers=headers, timeout=120).json()
+    unbounded = httpx.post(f"{base_url}/v1/completions", json={**body, "max_tokens": None}, headers=headers,
+                           timeout=120).json()
+    assert default["usage"]["completion_tokens"] == 16 and default["choices"][0]["finish_reason"] == "length"
+    assert unbounded["choices"][0]["finish_reason"] == "stop"
+    assert unbounded["usage"]["completion_tokens"] > 16
+    assert unbounded["choices"][0]["text"].startswith(default["choices"][0]["text"])
 
 
 # ---- the load harness through HTTP -------------------------------------------------------------

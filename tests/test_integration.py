@@ -287,9 +287,11 @@ def test_the_readmes_demo_runs_both_services_and_the_gateway_and_stops_them():
 def test_cli_generate_json_speculative_and_target_only(drafter_proc, verifier_proc):
     common = ["generate", "--verifier", verifier_proc.address, "--prompt", "Name a colour.", "--chat",
               "--max-tokens", "12", "--json"]
-    spec = _cli(*common, "--drafter", drafter_proc.address, "--num-speculative-tokens", "4")
+    spec = _cli(*common, "--drafter", drafter_proc.address, "--num-speculative-tokens", "20")
     base = _cli(*common, "--target-only")
     assert spec.returncode == 0 and base.returncode == 0, spec.stderr + base.stderr
+    # the services cap γ at their --max-draft-tokens (8): said on stderr, not done silently
+    assert "num_speculative_tokens 20 is past the services' max_draft_tokens" in spec.stderr
     s, b = json.loads(spec.stdout), json.loads(base.stdout)
     for key in ("text", "token_ids", "num_rounds", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate",
                 "elapsed_s"):

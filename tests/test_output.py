@@ -224,3 +224,16 @@ def test_eos_listed_in_stop_token_ids_ends_as_eos_unless_eos_is_ignored(tokenize
     _rounds(out, [_ids(tokenizer, " Hello"), [eos]])
     assert out.finished and out.result.finish_reason == "stop"
     assert out.result.stop_reason == (eos if reason == "the id" else None)
+
+
+def test_token_bytes_rebuild_text_whose_characters_span_tokens(tokenizer):
+    """OpenAI's logprobs `bytes`: joined, a generation's tokens give its UTF-8, characters cut
+    between tokens included (decoded alone such a token is U+FFFD, whose bytes are not its own)."""
+    from client.output import TokenBytes
+
+    token_bytes = TokenBytes(tokenizer)
+    for text in ["日本の首都は東京です", "émigré café 🎉 naïve", " spaces  and\ttabs\n", "plain ASCII"]:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        assert b"".join(token_bytes(t) for t in ids) == text.encode("utf-8"), text
+    cut = [t for t in tokenizer("日本", add_special_tokens=False).input_ids if "\ufffd" in tokenizer.decode([t])]
+    assert cut and all(token_bytes(t) != "\ufffd".encode() for t in cut)  # the case this is for
