@@ -128,3 +128,20 @@ def test_int4_drafter_service_greedy_output_is_the_targets(verifier_proc):
             spec = client.generate(prompt, params, chat=True, num_speculative_tokens=6)
             assert spec.token_ids == base.token_ids
             assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens / spec.num_draft_tokens > 0.5
+
+
+def test_a_verifier_refuses_dynamic_int8_before_loading_its_weights():
+    """Dynamic int8 quantizes a forward row's activations with one scale: a verifier's logits for
+    a position would depend on the tokens verified beside it (a hunt found greedy output
+    changing with γ). The engine refuses it before loading anything; the CLI says so in one line."""
+    import subprocess
+    import sys
+
+    from verifier_service.engine import VerifierEngine
+
+    with pytest.raises(ValueError, match="--quantize int8 is a drafter's option"):
+        VerifierEngine(ModelSpec(model="/nonexistent", dtype="float32", quantize="int8"))
+    out = subprocess.run([sys.executable, "-m", "cli", "verifier", "--quantize", "int8", "--port", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "--quantize int4 (weight-only) or none" in out.stderr

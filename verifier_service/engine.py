@@ -14,7 +14,7 @@ import torch
 from specdec import triton_verification
 from specdec.batching import WorkItem
 from specdec.errors import InvalidArgument, SpecDecError
-from specdec.models import Row
+from specdec.models import ModelSpec, Row
 from specdec.proposals import IDS_ONLY, DraftQ, Proposal, decode_draft_q
 from specdec.sampling import (
     GREEDY, REJECTION, STREAM_VERIFY, SamplingParams, counter_uniforms, process_logits, ranked_logprobs, seed_tensor,
@@ -111,11 +111,19 @@ def _join_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     return first.as_strided((sum(p.shape[0] for p in parts), first.shape[1]), (first.shape[1], 1))
 
 
+# Dynamic int8 gives a forward row one activation scale: a position's logits would depend on the
+# tokens verified beside it, and greedy output on γ (int4 is weight-only: the same for every token).
+INT8_REFUSED = ("--quantize int8 is a drafter's option: its activation scale spans a row's tokens, so a verifier's "
+                "logits would change with γ; use --quantize int4 (weight-only) or none")
+
+
 class VerifierEngine(ServingModel):
     role = "verifier"
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, spec: ModelSpec, *args, **kwargs) -> None:
+        if spec.quantize == "int8":  # before the weights load
+            raise ValueError(INT8_REFUSED)
+        super().__init__(spec, *args, **kwargs)
         self.device_timer = DeviceTimer(self.lm.device)  # the engine thread's: every step re-records its events
         if getattr(self.lm, "prefill_slots", None) is not None:  # see cli: the target is one model
             raise ValueError("a verifier scores every row with its own weights: its model takes no prefill copy "
