@@ -212,6 +212,9 @@ def decode_draft_q(proposal: Proposal, num_draft: int, vocab_size: int) -> Draft
         ids = _from_bytes(proposal.token_ids, "int32", proposal.shape, "proposal.token_ids").long()
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
             raise InvalidArgument("proposal.token_ids", f"ids must be in [0, {vocab_size})")
+        ordered = ids.sort(dim=1).values  # [K, N]
+        if bool((ordered[:, 1:] == ordered[:, :-1]).any()):  # a row is a top-N set: a repeat has no meaning
+            raise InvalidArgument("proposal.token_ids", "ids must be distinct within a row")
     else:
         raise InvalidArgument("proposal.kind", f"unknown kind {proposal.kind!r}")
     if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):

@@ -233,6 +233,19 @@ def test_malformed_proposal_bytes_are_invalid_argument():
             decode_proposal(empty, shape[0], 4)
 
 
+def test_a_sparse_row_that_repeats_an_id_is_invalid_argument():
+    """A sparse row is a top-N set: [5, 5] with 0.5 each has no single q(5) (a hunt sent one)."""
+    builder = ProposalBuilder(ProposalFormat(kind=SPARSE, top_n=2), 8)
+    builder.sample(torch.tensor([0.0, 0.5, 0.0, 0.0, 0.0, 0.5, 0.0, 0.0]), 0.7, 5)
+    good = builder.build()
+    assert decode_proposal(good, 1, 8)[0, 5] == pytest.approx(0.5)
+    twice = type(good)(kind=good.kind, dtype=good.dtype, shape=good.shape, probs=good.probs,
+                       token_ids=torch.tensor([[5, 5]], dtype=torch.int32).numpy().tobytes())
+    with pytest.raises(InvalidArgument, match="distinct within a row") as err:
+        decode_proposal(twice, 1, 8)
+    assert err.value.field == "proposal.token_ids"
+
+
 def test_a_dense_proposal_of_a_smaller_head_gives_the_ids_past_it_probability_zero():
     """A drafter whose LM head is padded to fewer rows (one tokenizer): its [K, V_d] proposal is
     read as [K, V] with zeros past V_d, and its row sums (which the sampler divides by) unchanged."""
