@@ -190,7 +190,8 @@ def measure(model, preset: str, batch: int, context: int, width: int, steps: int
     # A width past the widest bucket is a prompt chunk: the fast path runs it as pieces of
     # PIECE_WIDTH tokens, all of the step's pieces in one static step (as a service's would).
     pieces = -(-width // PIECE_WIDTH) if width > WIDTH_BUCKETS[-1] else 1
-    fast = StaticForward(slots, slots.new_pool(batch), max_batch=batch * pieces, max_width=min(width, WIDTH_BUCKETS[-1]))
+    fast = StaticForward(slots, slots.new_pool(batch), max_batch=batch * pieces,
+                         max_width=min(width, WIDTH_BUCKETS[-1]))
     fast_ms, out = _time_slots(fast.forward, [fast.pool.acquire() for _ in range(batch)], prompt, step_ids, device,
                                steps, warmup)
     fast_logits = torch.stack(out)  # [B, width, V] float32

@@ -53,8 +53,9 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--quantize", default="auto" if role == "drafter" else "none", choices=["none", "int8", "int4", "auto"],
                    help="CPU only. int4: weight-only int4 decoder linears (groups of 32, bfloat16 activations; "
                         "overrides --dtype), a drafter step ~2x cheaper; int8: dynamic int8 decoder layers (a "
-                        "low-acceptance drafter; not a verifier's: its activation scale spans a row); auto (the drafter's default): int4 on a CPU with native bfloat16 "
-                        "(AVX512-BF16 / AMX) unless --dtype is given, else none")
+                        "low-acceptance drafter; not a verifier's: its activation scale spans a row); auto (the "
+                        "drafter's default): int4 on a CPU with native bfloat16 (AVX512-BF16 / AMX) unless --dtype "
+                        "is given, else none")
     p.add_argument("--fast-path", default="auto", choices=["auto", "on", "off"],
                    help="static KV slot pool + bucketed static-shape forward, replayed as CUDA graphs on CUDA "
                         "(auto: on for CUDA, off for CPU, where it runs eagerly)")

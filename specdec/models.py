@@ -530,7 +530,8 @@ class CausalLM:
         speculation branch takes one; see static_forward.py), `num_slots` or as many as
         fit in `budget_bytes` (default: POOL_MEMORY_FRACTION of the device's free memory),
         whichever is fewer. Static steps take up to `max_batch` rows of up to `max_width`
-        tokens (wider rows as 32-token pieces, see static_forward.py). Returns the slot count; None (and nothing allocated) without the fast path."""
+        tokens (wider rows as 32-token pieces, see static_forward.py). Returns the slot count;
+        None (and nothing allocated) without the fast path."""
         if not self.fast_path:
             return None
         if self.pool is not None:

@@ -176,7 +176,8 @@ def test_prompt_chunks_replay_as_graphs_of_pieces(float32_models):
     fast = StaticForward(slots, slots.new_pool(2), max_batch=8, max_width=5)
     g = torch.Generator().manual_seed(11)
     vocab = model.config.vocab_size
-    prompt, other = torch.randint(vocab, (150,), generator=g).tolist(), torch.randint(vocab, (20,), generator=g).tolist()
+    prompt = torch.randint(vocab, (150,), generator=g).tolist()
+    other = torch.randint(vocab, (20,), generator=g).tolist()
     a, b = fast.pool.acquire(), fast.pool.acquire()
     with torch.inference_mode():
         fast.forward([Row(b, other[:-1], 1)])
