@@ -70,6 +70,7 @@ SHARED_GPU_DISABLE_BY_BATCH_SIZE = 2
 ASYNC_CATCHUP_TOKENS = 32
 _END = object()  # a generation's last item on its way to the caller
 _CLOSE_WAIT_S = 10.0  # how long a caller that stops reading waits for the generation's sessions to close
+_CLOSE_MIN_S = 0.5  # the shortest deadline a CloseSession gets
 
 
 class _ClientLoop(asyncio.SelectorEventLoop):
@@ -932,9 +933,11 @@ class SpeculativeClient:
     def _no_verifier(self, error: grpc.RpcError) -> NoServerAvailable:
         """One exception for "every verifier is gone", whatever the last call's status
         (UNAVAILABLE, DEADLINE_EXCEEDED from a frozen one), naming the pool."""
+        hint = (f" (each call's deadline is timeout_s = {self.timeout_s:g} s)"
+                if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "")
         return NoServerAvailable(
             f"no verifier of {', '.join(s.address for s in self.verifiers.servers)} answered within "
-            f"{self.recovery_timeout_s:g} s; the last error: {error.code().name}: {error.details()}")
+            f"{self.recovery_timeout_s:g} s; the last error: {error.code().name}: {error.details()}{hint}")
 
     async def _open_verifier_session(self, link: "_Link", result: GenerationResult,
                                      error: grpc.RpcError | None = None) -> None:
@@ -1195,8 +1198,11 @@ class SpeculativeClient:
             try:
                 # The last try waits for the channel to reconnect (its backoff after the keepalive
                 # failure would fail it at once), within close()'s wait.
-                await stub.CloseSession(pb.CloseSessionRequest(session_id=session_id),
-                                        timeout=min(self.timeout_s, 2.0 if last else 5.0), wait_for_ready=last)
+                # At least _CLOSE_MIN_S whatever timeout_s: a close that times out leaves the
+                # session on the server until its TTL (a 1 ms timeout_s left every one open).
+                timeout = max(min(self.timeout_s, 2.0 if last else 5.0), _CLOSE_MIN_S)
+                await stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), timeout=timeout,
+                                        wait_for_ready=last)
                 return
             except grpc.RpcError as exc:  # the session expires on the server anyway
                 unanswered = exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)

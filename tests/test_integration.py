@@ -233,6 +233,27 @@ def test_the_client_constructor_names_a_bad_address_gamma_or_timeout(verifier_pr
             SpeculativeClient(**kwargs)
 
 
+def test_a_timeout_s_too_short_for_any_call_is_named_and_its_sessions_are_closed(verifier_proc, verifier_stub):
+    """A healthy verifier and a per-call deadline it cannot meet (a hunt set 2 ms): the error
+    names timeout_s, not only "no verifier answered", and the sessions the client learnt of do
+    not stay open (a CloseSession gets at least _CLOSE_MIN_S: with the same 2 ms a slower host
+    left them to the server's TTL)."""
+    from client.speculative import NoServerAvailable
+
+    before = verifier_stub.GetStats(pb.StatsRequest()).live_sessions
+    client = SpeculativeClient(verifier_proc.address, recovery_timeout_s=2)  # connects with the default timeout
+    client.timeout_s = 0.002
+    try:
+        with pytest.raises(NoServerAvailable, match=r"timeout_s = 0\.002 s"):
+            client.generate("Hello " * 300, SamplingParams(temperature=0, max_tokens=20), target_only=True)
+    finally:
+        client.close()
+    # A session whose OpenSession answered after the client's deadline is one the client never
+    # learnt of: it stays until the server's TTL, so the bound is the sessions opened in time.
+    opened = verifier_stub.GetStats(pb.StatsRequest()).live_sessions - before
+    assert opened <= 2, opened
+
+
 def test_first_token_over_grpc_follows_target_distribution(int8_client, target_lm, int8_lm):
     """H0: the first token ~ p (temperature 1). 300 end-to-end generations with the int8
     drafter (gamma = 1), seeds 0..299, 8 at a time (the services batch their rounds; a seed's
