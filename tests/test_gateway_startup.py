@@ -144,7 +144,8 @@ def test_a_request_queued_for_a_generation_slot_past_timeout_s_is_a_503_not_a_lo
             assert 2.5 <= waited < 10, waited
             rest = list(chunks)
             assert rest and rest[-1].choices[0].finish_reason == "length"
-            done = oai.completions.create(model="", prompt="Hi", max_tokens=2)  # the slot is free again
+            # the slot is free again (ignore_eos: sampled at temperature 1, "Hi" once drew EOS second)
+            done = oai.completions.create(model="", prompt="Hi", max_tokens=2, extra_body={"ignore_eos": True})
             assert done.usage.completion_tokens == 2
             # More choices than slots: its second choice waited for its first one's slot, then 503.
             with pytest.raises(openai.BadRequestError) as too_many:
@@ -226,5 +227,5 @@ def test_after_a_redeploy_with_another_model_the_gateway_serves_the_new_one(tmp_
                     break
                 time.sleep(0.2)
             assert roots and roots[0].startswith(models["new"]), (roots, gw.output[-20:])
-            reply = oai.completions.create(model="", prompt="Hello", max_tokens=2)
+            reply = oai.completions.create(model="", prompt="Hello", max_tokens=2, extra_body={"ignore_eos": True})
             assert reply.usage.completion_tokens == 2 and reply.model.startswith(models["new"])
