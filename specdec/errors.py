@@ -60,9 +60,11 @@ def display_id(session_id: str) -> str:
 
 
 def display_value(value: object) -> str:
-    """A caller's value as an error message shows it: cut past SHOWN_ID_CHARS characters (a
-    5,000-digit logit_bias key came back whole)."""
-    text = repr(value) if isinstance(value, str) else str(value)
+    """A caller's value as an error message shows it: a string as `display_id` shows it, anything
+    else cut past SHOWN_ID_CHARS characters the same way (a 5,000-digit logit_bias key came back whole)."""
+    if isinstance(value, str):
+        return display_id(value)
+    text = str(value)
     return text if len(text) <= SHOWN_ID_CHARS else f"{text[:SHOWN_ID_CHARS]}... ({len(text)} characters)"
 
 
