@@ -558,8 +558,12 @@ def test_sigterm_ends_cli_generate_as_ctrl_c_does_closing_its_sessions():
                                  "--max-tokens", "2000", "--ignore-eos", "--num-speculative-tokens", "4"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
-            # Its first text: both sessions are open (γ 4 drafts from the first round) and it streams.
+            # Its first text, then both sessions open: the first token is the verifier's alone, and
+            # on one device the drafter's session opens with the second round, after that text.
             assert select.select([proc.stdout], [], [], 120)[0] and proc.stdout.read(1), proc.stderr.read()
+            deadline = time.monotonic() + 60
+            while live() != (1, 1) and time.monotonic() < deadline:
+                time.sleep(0.05)
             assert live() == (1, 1)
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=30) == 128 + signal.SIGTERM, proc.stderr.read()
