@@ -232,8 +232,13 @@ class SessionMethods:
 
     @rpc_method
     def OpenSession(self, request, context):
-        return pb.OpenSessionResponse(session_id=self.engine.open_session(owner=caller_owner(context)),
-                                      instance_id=self.engine.info.instance_id)
+        owner = caller_owner(context)
+        session_id = self.engine.open_session(owner=owner)
+        if not context.is_active():
+            # Its caller gave up (its deadline passed while the call queued on a busy server):
+            # the id would reach no one, and the session would hold its KV slot until the TTL.
+            self.engine.close_session(session_id, owner=owner)
+        return pb.OpenSessionResponse(session_id=session_id, instance_id=self.engine.info.instance_id)
 
     @rpc_method
     def CloseSession(self, request, context):

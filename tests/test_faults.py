@@ -341,3 +341,33 @@ def test_a_drafter_that_fails_internally_falls_back_to_target_only_rounds(verifi
     finally:
         server.stop(0)
         proxy._channel.close()
+
+
+def test_a_session_opened_after_its_caller_gave_up_is_closed_at_once(target_lm):
+    """An OpenSession that queued on a busy server past its caller's deadline: the id reaches no
+    one, so the server closes the session instead of holding its KV until the TTL (a hunt with
+    a 1-2 ms timeout_s under load left 17 of 22 such sessions open). The busy server is made
+    by holding its admission lock while the call waits."""
+    from specdec.serving import EngineConfig
+    from verifier_service.engine import VerifierEngine
+    from verifier_service.server import start
+
+    engine = VerifierEngine(target_lm.spec, EngineConfig(speculation_slots=0), lm=target_lm)
+    server, port = start(engine, announce=False)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.VerifierStub(channel)
+            with engine.sessions._admission:  # every open waits here, as behind a long admission
+                with pytest.raises(grpc.RpcError) as late:
+                    stub.OpenSession(pb.OpenSessionRequest(), timeout=0.3)
+                assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            # The handler goes on once admission is free: it opens the session, finds its caller
+            # gone and closes it (the store remembers it as closed, not expired).
+            wait_for(lambda: len(engine.sessions._gone) == 1, 10, "the late session to be opened and closed")
+            assert len(engine.sessions) == 0 and list(engine.sessions._gone.values()) == ["closed"]
+            opened = stub.OpenSession(pb.OpenSessionRequest(), timeout=10)  # a caller that waits keeps its session
+            assert stub.GetStats(pb.StatsRequest(), timeout=10).live_sessions == 1
+            stub.CloseSession(pb.CloseSessionRequest(session_id=opened.session_id), timeout=10)
+    finally:
+        server.stop(0)
+        engine.shutdown()
