@@ -516,26 +516,36 @@ def _random_pair(args: argparse.Namespace) -> int:
 
 
 class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be."""
+    """SIGTERM or SIGHUP, raised where Ctrl-C's KeyboardInterrupt would be."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+# SIGTERM: `timeout`, `docker stop`, a compose run's teardown; SIGHUP: the terminal closed (an
+# ssh session dropped). Either killed the process outright, its sessions left to the TTL.
+_ENDING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
 @contextlib.contextmanager
 def _sigterm_as_interrupt():
-    """A client command (generate, bench, demo) ends on SIGTERM (`timeout`, `docker stop`, a
-    compose run's teardown) as on Ctrl-C: its generations stop and close their sessions, which
-    the services otherwise held until their TTL. The services drain on SIGTERM themselves."""
+    """A client command (generate, bench, demo) ends on SIGTERM or SIGHUP as on Ctrl-C: its
+    generations stop and close their sessions, which the services otherwise held until their
+    TTL. The services drain on SIGTERM themselves."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def terminate(signum, frame):
-        raise _Terminated
+        raise _Terminated(signum)
 
-    previous = signal.signal(signal.SIGTERM, terminate)
+    previous = {signum: signal.signal(signum, terminate) for signum in _ENDING_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 _COMMANDS_WITHOUT_BENCH = frozenset({"drafter", "verifier", "gateway", "generate", "health", "demo", "random-model"})
@@ -610,10 +620,16 @@ def main(argv: list[str] | None = None) -> int:
 
             with _sigterm_as_interrupt():
                 return run_bench(args)
-    except _Terminated:
-        return 128 + signal.SIGTERM
+    except _Terminated as ended:
+        return 128 + ended.signum
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # Its reader left (`specdec generate ... | head`): end quietly, as a filter killed by
+        # SIGPIPE does (the generation closed its sessions on the way out). What is still
+        # buffered for stdout goes nowhere, so the interpreter's exit does not fail on it too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (SpecDecError, ValueError) as exc:
         print(f"specdec {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -535,11 +535,13 @@ def test_a_call_its_client_cancelled_stops_its_prefill_and_frees_its_session(ver
 
 
 @pytest.mark.slow
-def test_sigterm_ends_cli_generate_as_ctrl_c_does_closing_its_sessions():
-    """`timeout`, `docker stop` and a compose run's teardown send SIGTERM: generate stops as on
-    Ctrl-C, its sessions closed on both services (they were held until their 10-minute TTL), and
-    exits 143. Services of its own: the shared pair's live counts move with other tests' sessions
-    (one expiring at its TTL in this window failed the check in a CI run)."""
+def test_sigterm_sighup_or_a_reader_gone_end_cli_generate_as_ctrl_c_does_closing_its_sessions():
+    """`timeout`, `docker stop` and a compose run's teardown send SIGTERM; a closed terminal
+    SIGHUP; `specdec generate ... | head` closes its pipe. Each stops generate as Ctrl-C does,
+    its sessions closed on both services (SIGTERM's and SIGHUP's were held until their 10-minute
+    TTL), with 128 + the signal's number (SIGPIPE's for the pipe, and no error printed: it was
+    "error: [Errno 32] Broken pipe", exit 1). Services of its own: the shared pair's live counts
+    move with other tests' sessions (one expiring at its TTL in this window failed the check)."""
     import select
     import signal
 
@@ -553,21 +555,26 @@ def test_sigterm_ends_cli_generate_as_ctrl_c_does_closing_its_sessions():
         def live() -> tuple[int, int]:
             return tuple(stub.GetStats(pb.StatsRequest(), timeout=10).live_sessions for stub in stubs)
 
-        proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", "--verifier", verifier.address,
-                                 "--drafter", drafter.address, "--prompt", "Tell me a long story.", "--chat",
-                                 "--max-tokens", "2000", "--ignore-eos", "--num-speculative-tokens", "4"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        try:
-            # Its first text, then both sessions open: the first token is the verifier's alone, and
-            # on one device the drafter's session opens with the second round, after that text.
-            assert select.select([proc.stdout], [], [], 120)[0] and proc.stdout.read(1), proc.stderr.read()
-            deadline = time.monotonic() + 60
-            while live() != (1, 1) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert live() == (1, 1)
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=30) == 128 + signal.SIGTERM, proc.stderr.read()
-            assert b"Traceback" not in proc.stderr.read()
-            assert live() == (0, 0)  # closed by the client before it exited, not left to the TTL
-        finally:
-            proc.kill()
+        for ending in (signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+            proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", "--verifier", verifier.address,
+                                     "--drafter", drafter.address, "--prompt", "Tell me a long story.", "--chat",
+                                     "--max-tokens", "2000", "--ignore-eos", "--num-speculative-tokens", "4"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            try:
+                # Its first text, then both sessions open: the first token is the verifier's alone,
+                # and on one device the drafter's session opens with the second round, after it.
+                assert select.select([proc.stdout], [], [], 120)[0] and proc.stdout.read(1), proc.stderr.read()
+                deadline = time.monotonic() + 60
+                while live() != (1, 1) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert live() == (1, 1), ending.name
+                if ending == signal.SIGPIPE:
+                    proc.stdout.close()  # the reader leaves: its next write fails
+                else:
+                    proc.send_signal(ending)
+                assert proc.wait(timeout=30) == 128 + ending, (ending.name, proc.stderr.read())
+                errors = proc.stderr.read()
+                assert b"Traceback" not in errors and b"error" not in errors, (ending.name, errors)
+                assert live() == (0, 0), ending.name  # closed by the client before it exited, not left to the TTL
+            finally:
+                proc.kill()
