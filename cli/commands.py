@@ -34,47 +34,57 @@ def drafting_flags(args: argparse.Namespace) -> list[str]:
 
 
 def generate_command(args: argparse.Namespace, params) -> int:
-    try:
-        return _run_generate(args, params)
-    except grpc.RpcError as exc:
-        print(f"specdec generate: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
-
-
-def _run_generate(args: argparse.Namespace, params) -> int:
-    from client.output import json_logprob
     from client.speculative import SpeculativeClient
     from specdec_rpc.ops import read_token
 
     # γ at construction too: a fixed γ past the services' --max-draft-tokens is said once, at start
-    with SpeculativeClient(args.verifier, drafter=None if args.target_only else args.drafter,
-                           num_speculative_tokens=args.num_speculative_tokens,
-                           timeout_s=args.timeout_s, recovery_timeout_s=args.recovery_timeout_s,
-                           proposal_format=proposal_format(args),
-                           tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
-                           auth_token=read_token(args.auth_token_file) if args.auth_token_file else None) as client:
-        if args.json:
-            result = client.generate(args.prompt, params, num_speculative_tokens=args.num_speculative_tokens,
-                                     target_only=args.target_only, chat=args.chat, fanout=args.fanout)
-            out = result.to_dict()
-            if out["logprobs"] is not None:
-                out["logprobs"] = [{**e, "logprob": json_logprob(e["logprob"]),
-                                    "top_logprobs": {t: json_logprob(v) for t, v in e["top_logprobs"].items()}}
-                                   for e in out["logprobs"]]
-            print(json.dumps(out, allow_nan=False))
-            return 0
-        result = None
-        for chunk in client.stream(args.prompt, params, num_speculative_tokens=args.num_speculative_tokens,
-                                   target_only=args.target_only, chat=args.chat, fanout=args.fanout):
-            print(chunk.text, end="", flush=True)
-            result = chunk.result
-        assert result is not None
-        print()  # the text's line ends on stdout (a redirected file, the shell prompt after it)
-        if result.logprobs is not None:
-            _print_logprobs(result.logprobs, client.tokenizer)
-        print(f"[{len(result.token_ids)} tokens in {result.elapsed_s:.2f} s = {result.tokens_per_s:.1f} tok/s; "
-              f"rounds {result.num_rounds}; acceptance {result.acceptance_rate:.3f}; finish {result.finish_reason}]",
-              file=sys.stderr)
+    try:
+        client = SpeculativeClient(args.verifier, drafter=None if args.target_only else args.drafter,
+                                   num_speculative_tokens=args.num_speculative_tokens,
+                                   timeout_s=args.timeout_s, recovery_timeout_s=args.recovery_timeout_s,
+                                   proposal_format=proposal_format(args),
+                                   tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                                   auth_token=read_token(args.auth_token_file) if args.auth_token_file else None)
+    except grpc.RpcError as exc:
+        print(f"specdec generate: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    try:
+        return _run_generate(client, args, params)
+    except (grpc.RpcError, ConnectionError, TimeoutError) as exc:
+        # Said before the client closes: closing waits up to a few seconds more for the lost
+        # sessions' last closes (a verifier that resumed drops its session now, not at its TTL).
+        detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.RpcError) else str(exc)
+        print(f"specdec generate: error: {detail}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        client.close()
+
+
+def _run_generate(client, args: argparse.Namespace, params) -> int:
+    from client.output import json_logprob
+
+    if args.json:
+        result = client.generate(args.prompt, params, num_speculative_tokens=args.num_speculative_tokens,
+                                 target_only=args.target_only, chat=args.chat, fanout=args.fanout)
+        out = result.to_dict()
+        if out["logprobs"] is not None:
+            out["logprobs"] = [{**e, "logprob": json_logprob(e["logprob"]),
+                                "top_logprobs": {t: json_logprob(v) for t, v in e["top_logprobs"].items()}}
+                               for e in out["logprobs"]]
+        print(json.dumps(out, allow_nan=False))
+        return 0
+    result = None
+    for chunk in client.stream(args.prompt, params, num_speculative_tokens=args.num_speculative_tokens,
+                               target_only=args.target_only, chat=args.chat, fanout=args.fanout):
+        print(chunk.text, end="", flush=True)
+        result = chunk.result
+    assert result is not None
+    print()  # the text's line ends on stdout (a redirected file, the shell prompt after it)
+    if result.logprobs is not None:
+        _print_logprobs(result.logprobs, client.tokenizer)
+    print(f"[{len(result.token_ids)} tokens in {result.elapsed_s:.2f} s = {result.tokens_per_s:.1f} tok/s; "
+          f"rounds {result.num_rounds}; acceptance {result.acceptance_rate:.3f}; finish {result.finish_reason}]",
+          file=sys.stderr)
     return 0
 
 

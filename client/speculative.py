@@ -1211,8 +1211,11 @@ class SpeculativeClient:
                         await asyncio.wait_for(self._closing.wait(), delay)
                     waited, delay = waited + delay, min(2 * delay, 60.0)
                     continue
-                # After a restart or an eviction the session is simply gone: nothing to report.
-                expected = exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
+                # After a restart or an eviction the session is simply gone, and a lost session's
+                # last try finding its server still away is what the retries before it found:
+                # nothing to report.
+                expected = exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE) or (
+                    last and unanswered)
                 log.log(logging.DEBUG if expected else logging.WARNING, "CloseSession %s failed: %s", session_id,
                         exc.code())
                 return

@@ -535,6 +535,36 @@ def test_a_call_its_client_cancelled_stops_its_prefill_and_frees_its_session(ver
 
 
 @pytest.mark.slow
+def test_cli_generate_says_its_verifier_is_gone_once_recovery_gives_up(drafter_proc):
+    """The verifier is killed mid-output: generate prints the pool's error as soon as recovery
+    gives up (it came after the client's close, whose last try at the lost session waits for
+    the channel, and a CloseSession warning before it), then exits 1, nothing else on stderr
+    but the loss it recovered from."""
+    import select
+
+    from client.launcher import start_service
+
+    verifier = start_service("verifier", ["--log-level", "WARNING"], threads=1)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", "--verifier", verifier.address,
+                                 "--drafter", drafter_proc.address, "--prompt", "Tell me a long story.",
+                                 "--max-tokens", "1500", "--ignore-eos", "--recovery-timeout-s", "1"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            assert select.select([proc.stdout], [], [], 120)[0] and proc.stdout.read(1), proc.stderr.read()
+            verifier.kill()
+            assert proc.wait(timeout=60) == 1
+            lines = proc.stderr.read().decode().splitlines()
+            assert lines[-1].startswith(f"specdec generate: error: no verifier of {verifier.address} answered "
+                                        "within 1 s; the last error: UNAVAILABLE"), lines
+            assert all("lost session" in line for line in lines[:-1]), lines
+        finally:
+            proc.kill()
+    finally:
+        verifier.kill()
+
+
+@pytest.mark.slow
 def test_sigterm_sighup_or_a_reader_gone_end_cli_generate_as_ctrl_c_does_closing_its_sessions():
     """`timeout`, `docker stop` and a compose run's teardown send SIGTERM; a closed terminal
     SIGHUP; `specdec generate ... | head` closes its pipe. Each stops generate as Ctrl-C does,
