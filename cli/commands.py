@@ -50,6 +50,8 @@ def generate_command(args: argparse.Namespace, params) -> int:
         return 1
     try:
         return _run_generate(client, args, params)
+    except BrokenPipeError:  # stdout's reader left (a ConnectionError too): main() ends quietly
+        raise
     except (grpc.RpcError, ConnectionError, TimeoutError) as exc:
         # Said before the client closes: closing waits up to a few seconds more for the lost
         # sessions' last closes (a verifier that resumed drops its session now, not at its TTL).
