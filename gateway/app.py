@@ -1,5 +1,5 @@
 """The FastAPI application: OpenAI's /v1/completions, /v1/chat/completions and /v1/models,
-plus /tokenize, /detokenize, /health, /metrics and /version (as vLLM's server), over one
+plus /tokenize, /detokenize, /health (and /ping), /metrics and /version (as vLLM's server), over one
 `Upstream` (the speculative client).
 
 A request is validated (pydantic, then SamplingParams), tokenized, and started as tasks that
@@ -55,7 +55,7 @@ from gateway.upstream import Generation, Upstream, UpstreamConfig
 log = logging.getLogger("specdec.gateway")
 
 CLIENT_CLOSED = 499  # nginx's code for a request the client abandoned; only metrics and logs see it
-_ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models", "/tokenize", "/detokenize", "/health", "/metrics", "/version")
+_ENDPOINTS = (COMPLETIONS, CHAT, "/v1/models", "/tokenize", "/detokenize", "/health", "/ping", "/metrics", "/version")
 _KEYED = ("/v1", "/tokenize", "/detokenize")  # paths that need the API key (vLLM keys /v1 only)
 # A 128k-token prompt is ~0.5 MB of text and ~1 MB as token ids, a 65,536-entry logit_bias ~1 MB:
 # 32 MiB leaves room for a batch of long prompts and refuses what would only cost memory.
@@ -121,7 +121,9 @@ class Gateway:
                 return names[0]  # the tagged name (the id before): answered and counted as the id
             raise APIError(404, f"The model `{model}` does not exist; this server serves {', '.join(names)}.",
                            param="model", code="model_not_found")
-        return model or names[0]
+        # Any served name answers, and is answered and counted as the first (vLLM's rule): one
+        # label for a dashboard, whichever alias its clients send.
+        return names[0]
 
     async def generate(self, request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> Response:
         upstream, metrics = self.upstream, self.metrics
@@ -159,7 +161,12 @@ class Gateway:
         echo = not chat and body.echo
         # The echoed text is the prompt as sent (token ids: their text), as vLLM's.
         echo_texts = [p if isinstance(p, str) else client.tokenizer.decode(p) for p in raw_prompts] if echo else []
+        # The caller's id names the response (vLLM's: the X-Request-Id header, else the body's
+        # request_id), so its logs and ours can be joined; the header comes back as it came.
+        request_id = request.headers.get("x-request-id") or body.request_id
+        headers = {"X-Request-Id": request.headers["x-request-id"]} if "x-request-id" in request.headers else {}
         builder = ResponseBuilder(chat=chat, model=model, prompt_tokens=sum(map(len, prompts)),
+                                  id=f"{'chatcmpl' if chat else 'cmpl'}-{request_id}" if request_id else "",
                                   decode=upstream.decode_token, token_bytes=upstream.token_bytes,
                                   logprobs=choices[0][1].logprobs is not None,
                                   include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -182,7 +189,7 @@ class Gateway:
                 # The background task runs once the stream ends, also when Starlette cancels it
                 # because the client left: the generations stop even before _sse is finalized.
                 return StreamingResponse(_sse(runs, firsts, builder, self.streams), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
                                          background=BackgroundTask(_cancel, runs))
             results = await _race(request, asyncio.gather(*(_rest(r.gen, f, r.timer) for r, f in zip(runs, firsts))),
                                   self.closing)
@@ -203,7 +210,7 @@ class Gateway:
                         "refused" if refused else "error", count=not refused)
             raise
         _finish(runs, builder, results)
-        return JSONResponse(builder.response(results))
+        return JSONResponse(builder.response(results), headers=headers)
 
 
 def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastAPI:
@@ -271,6 +278,7 @@ router = APIRouter()
 
 
 @router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and curl -I's probe
+@router.api_route("/ping", methods=["GET", "POST"])  # vLLM's alias (SageMaker's probe)
 async def health(request: Request) -> JSONResponse:
     ok, detail = await _gateway(request).upstream.health()
     return JSONResponse(detail, status_code=200 if ok else 503)
@@ -306,6 +314,8 @@ async def retrieve_model(model: str, request: Request) -> dict:
     client = await gw.upstream.wait_ready()
     info = client.verifier_info
     name = gw.check_model(model)  # the verifier's own tagged id answers as the served name, as in a completion
+    if model in gw.served_names():  # an alias has a card of its own, as in /v1/models
+        name = model
     return models_list([name], info.model, info.max_context, gw.started)["data"][0]
 
 
@@ -491,7 +501,7 @@ def _finish(runs: list[_Choice], builder: ResponseBuilder, results: list[Generat
     for i, run in enumerate(runs):
         if count:
             run.timer.finish(run.prompt_tokens, results[i] if results is not None else None, reason,
-                             scored_only=builder.echo_only)
+                             scored_only=builder.echo_only, scheduled=run.gen.scheduled)
     start, tokens = runs[0].timer.start, 0 if builder.echo_only else sum(run.timer.tokens for run in runs)
     if results is None:
         log.info("request id=%s endpoint=%s choices=%d prompt_tokens=%d completion_tokens=%d finish=%s ms=%.0f",

@@ -73,12 +73,12 @@ _NOT_DONE: dict[str, object] = {
     "logits_processors": None, "truncate_prompt_tokens": None, "audio": None, "prediction": None,
     "chat_template": None, "skip_special_tokens": True, "spaces_between_special_tokens": True,
     "max_completion_tokens": None,  # /v1/completions only: chat defines it (max_tokens is completions')
-    "return_tokens_as_token_ids": False,
+    "return_tokens_as_token_ids": False, "return_token_ids": False, "prompt_embeds": None, "vllm_xargs": None,
     "response_format": None,  # /v1/completions only (vLLM's CompletionRequest has it): chat checks its own
 }
 # Of those, the ones whose empty list or object also means "off"; an empty guided_json schema
 # ({}) is vLLM's "any JSON value", a constraint.
-_EMPTY_IS_OFF = {"functions", "bad_words", "logits_processors", "structured_outputs"}
+_EMPTY_IS_OFF = {"functions", "bad_words", "logits_processors", "structured_outputs", "vllm_xargs"}
 
 
 class _Sampling(BaseModel):
@@ -108,6 +108,8 @@ class _Sampling(BaseModel):
     allowed_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None  # the prompt tokens' logprobs under the raw model (top N, 0 = their own)
+    request_id: str | None = None  # vLLM's: names the response (cmpl-<id>) unless an X-Request-Id header does
+    best_of: int | None = None
     # this server's: SamplingParams' acceptance rule per request (vLLM sets it per server, with
     # --spec-decoding-acceptance-method); "typical" is not lossless
     acceptance_method: str | None = None
@@ -130,6 +132,8 @@ class _Sampling(BaseModel):
             log.info("request fields ignored: %s", ", ".join(sorted(extra)))
         if self.n is not None and self.n < 1:
             raise bad_request("n", f"n must be >= 1, got {self.n}")
+        if self.best_of not in (None, 1, self.n or 1):  # best_of > n would rank choices by logprob: not done
+            raise bad_request("best_of", f"best_of must equal n ({self.n or 1}), got {self.best_of}")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options", "stream_options needs stream=true")
         if self.stream and self.prompt_logprobs is not None:  # vLLM's rule (an echoed prompt's logprobs do stream)
@@ -142,7 +146,6 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
 
     @property
     def echo_only(self) -> bool:
@@ -154,8 +157,6 @@ class CompletionRequest(_Sampling):
         super().refuse_unsupported()
         if self.suffix:
             raise bad_request("suffix", "suffix is not supported")
-        if self.best_of not in (None, 1, self.n or 1):  # best_of > n would rank choices by logprob: not done
-            raise bad_request("best_of", f"best_of must equal n ({self.n or 1}), got {self.best_of}")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts: one string or token-id list, or a list of either (a batch)."""

@@ -28,6 +28,7 @@ import contextlib
 import copy
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -166,6 +167,7 @@ class Generation:
 
     on_stale: Callable[[IncompatibleModels], None] | None = None  # every verifier serves another model now
     running: bool = False  # holds a generation slot: vllm:num_requests_running, else _waiting
+    scheduled: float | None = None  # perf_counter when it got its slot (vllm:request_queue_time_seconds)
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     _task: asyncio.Task | None = None
 
@@ -179,7 +181,7 @@ class Generation:
                 raise APIError(503, f"every one of the gateway's generation slots (--max-concurrent-requests) was "
                                     f"busy for {slot_wait_s:g} s; retry later", type="service_unavailable",
                                code="server_busy")
-            self.running = True
+            self.running, self.scheduled = True, time.perf_counter()
             try:
                 async for chunk in client.astream(prompt_ids, params, num_speculative_tokens=gamma, fanout=fanout):
                     self._queue.put_nowait(chunk)

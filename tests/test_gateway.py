@@ -432,6 +432,8 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
               "guided_json": {"extra_body": {"guided_json": {"type": "object"}}},
               "an empty guided_json schema": {"extra_body": {"guided_json": {}}},  # vLLM's "any JSON value"
               "return_tokens_as_token_ids": {"logprobs": True, "extra_body": {"return_tokens_as_token_ids": True}},
+              "return_token_ids": {"extra_body": {"return_token_ids": True}},  # ignored before: no ids came back
+              "best_of on chat": {"extra_body": {"best_of": 3}},  # ignored before, refused on completions
               "use_beam_search": {"extra_body": {"use_beam_search": True}},
               "top_k=-5": {"extra_body": {"top_k": -5}},
               # past the wire's int32 / 0 as its float32: refused by name (a bare 'Value out of range'
@@ -476,6 +478,8 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
     ("guided_json", 400, "guided_json", None),
     ("an empty guided_json schema", 400, "guided_json", None),
     ("return_tokens_as_token_ids", 400, "return_tokens_as_token_ids", None),
+    ("return_token_ids", 400, "return_token_ids", None),
+    ("best_of on chat", 400, "best_of", None),
     ("response_format on completions", 400, "response_format", None),
     ("a prompt batch past 64 choices", 400, "prompt", None),
     ("a body that is a JSON array", 400, None, "invalid_json"),
@@ -727,6 +731,11 @@ def test_metrics_count_requests_tokens_and_drafts(oai, model, base_url):
     assert after['specdec_gc_pause_seconds_count{"generation": "0"}'] > 0
     assert delta("vllm:prompt_tokens_total", **labels) == reply.usage.prompt_tokens
     assert delta("vllm:request_success_total", **labels, finished_reason="length") == 1
+    # the per-request histograms of vLLM's dashboard: one observation each, lengths as in usage
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert delta(f"vllm:request_{phase}_time_seconds_count", **labels) == 1, phase
+    assert delta("vllm:request_prompt_tokens_sum", **labels) == reply.usage.prompt_tokens
+    assert delta("vllm:request_generation_tokens_sum", **labels) == reply.usage.completion_tokens
     spec = reply.model_extra["speculative"]
     assert delta("vllm:spec_decode_num_draft_tokens_total", **labels) == spec["num_draft_tokens"] > 0
     assert delta("vllm:spec_decode_num_accepted_tokens_total", **labels) == spec["num_accepted_tokens"]
@@ -769,6 +778,46 @@ def test_models_retrieve_answers_a_served_name_and_404s_another(oai, model):
     with pytest.raises(openai.NotFoundError) as err:
         oai.models.retrieve("no-such-model")
     assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+
+
+def test_the_callers_request_id_names_the_response_and_ping_answers_as_health(base_url, model):
+    """vLLM's: an X-Request-Id header names the response (chatcmpl-<id>) and comes back as a
+    header; without one, the body's request_id names it. /ping (GET or POST) is /health."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    chat = httpx.post(f"{base_url}/v1/chat/completions", headers={**auth, "X-Request-Id": "req-42"}, timeout=120,
+                      json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert chat.json()["id"] == "chatcmpl-req-42" and chat.headers["x-request-id"] == "req-42"
+    with httpx.stream("POST", f"{base_url}/v1/completions", headers={**auth, "X-Request-Id": "req-43"}, timeout=120,
+                      json={"model": model, "prompt": "Hi", "max_tokens": 2, "stream": True}) as streamed:
+        assert streamed.headers["x-request-id"] == "req-43"
+        events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
+    assert events and {e["id"] for e in events} == {"cmpl-req-43"}
+    body = httpx.post(f"{base_url}/v1/completions", headers=auth, timeout=120,
+                      json={"model": model, "prompt": "Hi", "max_tokens": 2, "request_id": "mine-1"})
+    assert body.json()["id"] == "cmpl-mine-1" and "x-request-id" not in body.headers
+    plain = httpx.post(f"{base_url}/v1/completions", headers=auth, timeout=120,
+                       json={"model": model, "prompt": "Hi", "max_tokens": 2})
+    assert plain.json()["id"].startswith("cmpl-") and len(plain.json()["id"]) > 20  # a fresh uuid
+    for method in ("GET", "POST"):
+        ping = httpx.request(method, f"{base_url}/ping")
+        assert ping.status_code == 200 and ping.json() == httpx.get(f"{base_url}/health").json()
+
+
+@pytest.mark.slow
+def test_every_served_name_is_answered_and_counted_as_the_first(verifier_proc, drafter_proc):
+    """vLLM's aliases (--served-model-name alpha beta): each is listed and retrieved, a request
+    may name either, and its response and metrics say the first (a request for beta answered
+    "beta" and counted its tokens under beta, its running gauge under alpha)."""
+    with start_gateway(verifier_proc.address, drafter_proc.address,
+                       ["--served-model-name", "alpha", "beta", "--log-level", "WARNING"]) as gw, \
+            openai.OpenAI(base_url=f"http://{gw.address}/v1", api_key="none", max_retries=0, timeout=120) as client:
+        assert [m.id for m in client.models.list().data] == ["alpha", "beta"]
+        assert client.models.retrieve("beta").id == "beta"
+        reply = client.completions.create(model="beta", prompt="Hi", max_tokens=2, temperature=0)
+        assert reply.model == "alpha"
+        families = text_string_to_metric_families(httpx.get(f"http://{gw.address}/metrics").text)
+        named = {s.labels["model_name"] for f in families for s in f.samples if "model_name" in s.labels}
+        assert named == {"alpha"}
 
 
 def test_an_explicit_null_max_tokens_runs_past_the_completions_default_of_16(base_url, model):
