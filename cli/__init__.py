@@ -106,6 +106,11 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
         p.add_argument("--sampler-backend", default="auto", choices=["auto", "torch", "triton"],
                        help="batched speculative sampler: the fused Triton kernel (CUDA; auto picks it when triton "
                             "imports) or torch ops; both emit the same tokens for the same seed")
+        p.add_argument("--logprobs-mode", default="processed_logprobs",
+                       choices=["processed_logprobs", "raw_logprobs"],
+                       help="what requested logprobs of generated tokens are (vLLM's flag): under the distribution "
+                            "each token was sampled from, after temperature, top-k/p, penalties and bias "
+                            "(default), or under the model's raw one (vLLM V1's default)")
     if role == "drafter":
         p.add_argument("--speculation-slots", type=positive("--speculation-slots", zero=True), default=16,
                        help="KV slots for branches pre-drafted while the verifier works (requests with fanout > 0), "
@@ -242,6 +247,7 @@ def _serve(args: argparse.Namespace, role: str) -> int:
                           max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
                           speculation_slots=getattr(args, "speculation_slots", 0),
                           sampler_backend=getattr(args, "sampler_backend", "auto"),
+                          logprobs_mode=getattr(args, "logprobs_mode", "processed_logprobs"),
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           speculative_disable_by_batch_size=_disable_by_batch_size(args))
     ngram = {k: v for k, v in (("n_min", getattr(args, "ngram_min", None)), ("n_max", getattr(args, "ngram_max", None)))

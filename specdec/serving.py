@@ -189,11 +189,18 @@ class EngineConfig:
     max_wait_ms: float = 10.0
     speculation_slots: int = 16  # drafter: KV slots for pre-drafted branches (DraftRequest.fanout), all sessions
     sampler_backend: str = "auto"  # verifier: "auto" | "torch" | "triton" (specdec.verification.resolve_backend)
+    # Verifier: generated tokens' logprobs under the processed distribution they were sampled
+    # from ("processed_logprobs") or the model's raw one ("raw_logprobs", vLLM V1's default).
+    logprobs_mode: str = "processed_logprobs"
     # Tokens one engine step runs through the model (vLLM's --max-num-batched-tokens): longer
     # appends are prefilled in chunks between other sessions' steps. None: DEFAULT_BATCHED_TOKENS.
     max_num_batched_tokens: int | None = None
     # Verifier: at this many running sessions, tell clients to stop drafting (vLLM's name); 0 = never.
     speculative_disable_by_batch_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
+            raise ValueError(f"logprobs_mode must be processed_logprobs or raw_logprobs, got {self.logprobs_mode!r}")
 
 
 # Chunk budget per step when none is given: on a CPU a 256-token float32 step of a small model

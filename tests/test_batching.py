@@ -523,3 +523,41 @@ def test_greedy_drafts_of_rows_sharing_a_step_are_each_rows_own_continuation(tar
                 seq.append(int(target_lm.model(torch.tensor([seq])).logits[0, -1].argmax()))
         assert together[i] == seq[len(ids):], i
     assert batches <= len(prompts) - 1  # rows shared steps (7 requests)
+
+
+@pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logprobs"])
+def test_logprobs_mode_reports_the_processed_or_the_raw_distribution(target_lm, mode):
+    """vLLM's --logprobs-mode: a greedy round with a repetition penalty that accepts its 3 drafts
+    (the penalized argmax continuation) reports each of its 4 tokens' logprobs under the
+    penalized distribution (processed, our default) or the model's own (raw, vLLM V1's default:
+    a plain transformers forward's log_softmax); the tokens are the same either way."""
+    from specdec.sampling import process_logits
+    from specdec.serving import EngineConfig
+    from verifier_service.engine import VerifierEngine, VerifyCall
+
+    engine = VerifierEngine(target_lm.spec, EngineConfig(speculation_slots=0, logprobs_mode=mode), lm=target_lm)
+    try:
+        prompt = target_lm.tokenizer("The capital of France is Paris. The capital of Italy is").input_ids
+        params = SamplingParams(temperature=0.0, repetition_penalty=1.8, logprobs=3)
+        seq = list(prompt)
+        with torch.no_grad():
+            for _ in range(4):  # the penalized greedy continuation, one token at a time
+                last = target_lm.model(torch.tensor([seq])).logits[0, -1:].float()
+                seq.append(int(process_logits(last, params, engine.token_context(seq, len(prompt))).argmax()))
+            logits = target_lm.model(torch.tensor([seq[:-1]])).logits[0, len(prompt) - 1:].float()  # [4, V]
+        drafts = seq[len(prompt):-1]
+        sid = engine.open_session()
+        out = engine.verify_call(VerifyCall(sid, 0, prompt, drafts, None, params, len(prompt)))
+        processed = torch.log(process_logits(logits, params, engine.token_context(prompt, len(prompt)), drafts))
+    finally:
+        engine.shutdown()
+    assert out.output_token_ids == seq[len(prompt):] and out.num_accepted == 3
+    emitted = torch.tensor(out.output_token_ids)
+    raw = torch.log_softmax(logits, dim=-1)[torch.arange(4), emitted]
+    reported = torch.tensor([e.logprob for e in out.logprobs])
+    assert not torch.allclose(raw, processed[torch.arange(4), emitted], atol=1e-2)  # the modes differ here
+    if mode == "raw_logprobs":
+        assert torch.allclose(reported, raw, atol=1e-4), (reported, raw)
+        assert [e.top_token_ids for e in out.logprobs] == logits.topk(3).indices.tolist()
+    else:
+        assert torch.allclose(reported, processed[torch.arange(4), emitted], atol=1e-4)

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    logprob: float  # of the emitted token under the target's processed distribution
+    logprob: float  # of the emitted token under the target's processed (or raw: --logprobs-mode) distribution
     rank: int  # 1 = most likely
     top_token_ids: list[int]
     top_logprobs: list[float]
@@ -270,7 +270,7 @@ class VerifierEngine(ServingModel):
         logits = self.lm.forward_rows(rows)  # per row [keep, V]
         self._score_prompts(stepped, scored, logits)
         if reqs:
-            target, out = self._verify(reqs, scored, logits, sampler_args)
+            target, out, raw_logp = self._verify(reqs, scored, logits, sampler_args)
         timer.stop()
         if reqs:
             # The batch's only device-to-host transfer: the accepted counts and the emitted ids.
@@ -280,7 +280,7 @@ class VerifierEngine(ServingModel):
         self._advance_chunks(chunks)
         self.stats.add(forwards=1)
         if reqs:
-            self._reply(items, reqs, target, results, self._load(rows, (synced - start) * 1e3, device_ms))
+            self._reply(items, reqs, target, raw_logp, results, self._load(rows, (synced - start) * 1e3, device_ms))
         end = time.perf_counter()
         self.phases.step((prepared - start) * 1e3, device_ms, (end - prepared) * 1e3 - device_ms,
                          (end - start) * 1e3)
@@ -309,13 +309,18 @@ class VerifierEngine(ServingModel):
         self.running.touch([r.session.session_id for r in stepped], time.monotonic())
 
     def _verify(self, reqs: list[_Request], scored: list[int], logits: list[torch.Tensor],
-                sampler_args: dict) -> tuple[torch.Tensor, object]:
-        """The verified rows' processed target distribution [B, K + 1, V] and the sampler's
-        output, queued on the device (nothing read back yet)."""
+                sampler_args: dict) -> tuple[torch.Tensor, object, list[torch.Tensor | None]]:
+        """The verified rows' processed target distribution [B, K + 1, V], the sampler's output,
+        queued on the device (nothing read back yet), and per request its raw log-probabilities
+        [K_b + 1, V] where --logprobs-mode raw_logprobs reports them (else None)."""
         # B x [K_b + 1, V]: a row that scored its prompt keeps its verified tail
         logits = [row[-(len(r.draft_token_ids) + 1):] if n else row for r, n, row in zip(reqs, scored, logits)]
+        raw = self.config.logprobs_mode == "raw_logprobs"
+        # Taken before processing, which may work on the same storage.
+        raw_logp = [torch.log_softmax(row.float(), dim=-1) if raw and r.params.logprobs is not None else None
+                    for r, row in zip(reqs, logits)]
         target = self._process_logits(reqs, logits)  # [B, K + 1, V]
-        return target, speculative_sample(target, backend=self.sampler_backend, **sampler_args)
+        return target, speculative_sample(target, backend=self.sampler_backend, **sampler_args), raw_logp
 
     def _load(self, rows: list[Row], step_ms: float, device_ms: float) -> EngineLoad:
         """What every reply of this step reports. Sessions are counted after the step: those that
@@ -327,8 +332,8 @@ class VerifierEngine(ServingModel):
                           speculation_disabled=0 < self.config.speculative_disable_by_batch_size <= running,
                           device_ms=device_ms, host_ms=max(step_ms - device_ms, 0.0))
 
-    def _reply(self, items: list[WorkItem], reqs: list[_Request], target: torch.Tensor, results: list[list[int]],
-               load: EngineLoad) -> None:
+    def _reply(self, items: list[WorkItem], reqs: list[_Request], target: torch.Tensor,
+               raw_logp: list[torch.Tensor | None], results: list[list[int]], load: EngineLoad) -> None:
         """Settle each verified request with its accepted prefix and next token; one that fails
         (a distribution without mass) fails alone."""
         by_request = {id(it.payload): it for it in items}
@@ -336,7 +341,7 @@ class VerifierEngine(ServingModel):
             item = by_request[id(r)]
             try:
                 item.future.set_result(self._finish(r, target[i], results[i][0], results[i][1:],
-                                                    dataclasses.replace(load, queue_ms=r.queue_ms)))
+                                                    dataclasses.replace(load, queue_ms=r.queue_ms), raw_logp[i]))
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 item.future.set_exception(exc)
 
@@ -503,8 +508,10 @@ class VerifierEngine(ServingModel):
             r.session.length = len(r.session.tokens)
             r.append_token_ids = r.append_token_ids[len(chunk):]
 
-    def _finish(self, r: _Request, p: torch.Tensor, n_acc: int, row: list[int], load: EngineLoad) -> VerifyOut:
-        """p: [>= n_acc + 1, V] the processed target distribution of r's positions."""
+    def _finish(self, r: _Request, p: torch.Tensor, n_acc: int, row: list[int], load: EngineLoad,
+                raw_logp: torch.Tensor | None = None) -> VerifyOut:
+        """p: [>= n_acc + 1, V] the processed target distribution of r's positions; raw_logp:
+        [>= n_acc + 1, V] their raw log-probabilities, which the logprobs report when given."""
         session = r.session
         k = len(r.draft_token_ids)
         emitted = row[: n_acc + 1]
@@ -515,7 +522,9 @@ class VerifierEngine(ServingModel):
                                "with probability > 0")
         logprobs = None
         if r.params.logprobs is not None:
-            logprobs = [TokenLogprob(*x) for x in top_logprobs(p[: n_acc + 1], emitted, r.params.logprobs)]
+            entries = (top_logprobs(p[: n_acc + 1], emitted, r.params.logprobs) if raw_logp is None
+                       else ranked_logprobs(raw_logp[: n_acc + 1], emitted, r.params.logprobs))
+            logprobs = [TokenLogprob(*x) for x in entries]
         # Keep the appended tokens and the accepted drafts cached; drop the rejected tail.
         session.tokens.extend(r.append_token_ids + r.draft_token_ids[:n_acc])
         session.length = len(session.tokens)
