@@ -94,7 +94,11 @@ def _add_dataset_args(p: argparse.ArgumentParser, num_prompts: int, max_tokens: 
     p.add_argument("--random-prefix-len", type=int, default=None,
                    help="--dataset random: random tokens every prompt starts with (default 0)")
     p.add_argument("--num-prompts", type=_positive("--num-prompts"), default=num_prompts)
-    p.add_argument("--max-tokens", type=_positive("--max-tokens"), default=max_tokens)
+    # Default None (resolved in run_bench): --dataset random takes --random-output-len instead,
+    # and an explicit --max-tokens beside it is refused rather than silently ignored.
+    p.add_argument("--max-tokens", type=_positive("--max-tokens"), default=None,
+                   help=f"each request's max_tokens (default {max_tokens}; --dataset random: --random-output-len)")
+    p.set_defaults(max_tokens_default=max_tokens)
     p.add_argument("--seed", type=int, default=0, help="prompt order, arrivals and per-request sampling seeds")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="apply the chat template (default on; multi-turn prompts are sent as chats)")
@@ -111,8 +115,9 @@ def _add_workload_args(p: argparse.ArgumentParser, verifier_required: bool = Tru
     _add_dataset_args(p, num_prompts=24, max_tokens=64)
     p.add_argument("--request-rate", type=_rate, default=math.inf,
                    help="Poisson arrivals per second (default inf: all at once)")
-    p.add_argument("--burstiness", type=_positive("--burstiness", float), default=1.0,
-                   help="Gamma shape of the inter-arrival times (1 = Poisson), as vLLM")
+    # Finite: a shape of inf made NaN gaps that sent every request at once, and Infinity in the JSON.
+    p.add_argument("--burstiness", type=_positive("--burstiness", float, maximum=1e6), default=1.0,
+                   help="Gamma shape of the inter-arrival times (1 = Poisson; larger: more even), as vLLM")
     p.add_argument("--max-concurrency", type=_positive("--max-concurrency"), default=None,
                    help="most requests in flight (default: no bound)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -126,9 +131,10 @@ def _add_workload_args(p: argparse.ArgumentParser, verifier_required: bool = Tru
                    help="speculation cache: the drafter pre-drafts the next round for its top-F bonus candidates")
     p.add_argument("--timeout-s", type=_positive("--timeout-s", float, maximum=MAX_TIMEOUT_S), default=60.0,
                    help="deadline of every call")
-    p.add_argument("--duration-limit-s", type=_positive("--duration-limit-s", float), default=None,
+    p.add_argument("--duration-limit-s", type=_positive("--duration-limit-s", float, maximum=MAX_TIMEOUT_S),
+                   default=None,
                    help="hard bound on the run: unsent requests fail, in-flight ones stop after their round")
-    p.add_argument("--goodput", type=_goodput_slo, nargs="+", default=[], metavar="NAME:MS",
+    p.add_argument("--goodput", type=_goodput_slo, nargs="+", action="extend", default=[], metavar="NAME:MS",
                    help="SLOs in ms, e.g. --goodput ttft:500 tpot:50 e2el:10000")
     p.add_argument("--metric-percentiles", type=_percentiles, default=(),
                    help="percentiles to add to p90 and p99, comma-separated, e.g. 50,95,99.9 (vLLM's flag)")
@@ -287,7 +293,7 @@ def _serve(args: argparse.Namespace) -> int:
         _check_baseline(baseline, serve.workload_keys(config))
     result = serve.run_serve(config, baseline=baseline)
     if baseline is not None:  # the prompts the dataset gave (it may hold fewer than asked)
-        _check_baseline(baseline, result, ("num_prompts",))
+        _check_baseline(baseline, result, ("num_prompts", "verifier_model"))  # what the run found
     print(serve.format_result(result))
     if args.result_json:
         serve.write_json(result, args.result_json)
@@ -347,6 +353,8 @@ def _compare(args: argparse.Namespace) -> int:
 
     for v in args.variants:
         parse_variant(v)  # refuse a bad variant before any run
+    if len(set(args.variants)) < len(args.variants):  # one row each: a repeat overwrote the first's runs
+        raise ValueError(f"--variants lists one twice: {' '.join(args.variants)}; use --repeats to run one again")
     if not args.drafter:
         raise ValueError("--drafter is required (the variants run speculative decoding)")
     result = run_compare(_workload(args, False), args.variants, repeats=args.repeats)
@@ -403,6 +411,12 @@ def run_bench(args: argparse.Namespace) -> int:
     from bench import verifier
     from bench import engine as bench_engine, sampler as bench_sampler
 
+    if hasattr(args, "max_tokens_default"):
+        if args.max_tokens is not None and getattr(args, "dataset", None) == "random":
+            raise ValueError("--max-tokens does not apply to --dataset random: each request's max_tokens is "
+                             "--random-output-len (default 128)")
+        if args.max_tokens is None:
+            args.max_tokens = args.max_tokens_default
     commands = {"serve": _serve, "compare-results": _compare_results,
                 "compare": _compare, "sweep": _sweep, "peer": _peer, "verifier": verifier.run,
                 "sampler": bench_sampler.run, "engine": bench_engine.run}

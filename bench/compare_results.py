@@ -14,7 +14,8 @@ from typing import Sequence
 
 from bench.serve import _fmt, load_result
 
-WORKLOAD_KEYS = ("dataset", "num_prompts", "chat", "sampling", "request_rate", "burstiness", "max_concurrency", "seed")
+WORKLOAD_KEYS = ("dataset", "random_dataset", "num_prompts", "chat", "sampling", "request_rate", "burstiness",
+                 "max_concurrency", "duration_limit_s", "seed")
 
 # (label, result key, digits); None key = a section title.
 ROWS: tuple[tuple[str, str | None, int], ...] = (
@@ -91,7 +92,9 @@ def format_results_table(results: Sequence[tuple[str, dict]], labels: Sequence[s
         lines.append(f"WARNING: the workloads differ in {', '.join(differs)}: the columns do not measure the same run")
     else:
         w = data[0]
-        lines.append(f"same workload: {w.get('dataset')}, {w.get('num_prompts')} prompts, "
-                     f"max_tokens {w.get('sampling', {}).get('max_tokens')}, concurrency "
+        random = w.get("random_dataset")  # its output_len is each request's max_tokens
+        lengths = (f"random {random.get('input_len')} in / {random.get('output_len')} out" if random
+                   else f"max_tokens {w.get('sampling', {}).get('max_tokens')}")
+        lines.append(f"same workload: {w.get('dataset')}, {w.get('num_prompts')} prompts, {lengths}, concurrency "
                      f"{w.get('max_concurrency') or 'unbounded'}, rate {w.get('request_rate')}, chat {w.get('chat')}")
     return "\n".join(lines)

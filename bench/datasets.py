@@ -9,7 +9,10 @@ as one chat with all those messages).
 
 A ShareGPT file is a JSON list of `{"conversations": [{"from": "human", "value": ...},
 {"from": "gpt", "value": ...}, ...]}`; each entry contributes its first human turn ("from":
-"human", or "user" as some exports write it), labelled with the category "sharegpt".
+"human", or "user" as some exports write it), labelled with the category "sharegpt", and every
+request generates `--max-tokens`. Not vLLM's sharegpt dataset, which takes each request's output
+length from the gpt reply and drops conversations of one turn, pieces under 4 tokens and prompts
+over 1,024 tokens: the same file is another workload there.
 
 A `.jsonl` file is vLLM's custom dataset: one `{"prompt": ...}` object per line (an
 optional "category" labels it, else "custom"; other keys are ignored).

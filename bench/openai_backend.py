@@ -206,6 +206,9 @@ def run_serve_openai(config: WorkloadConfig, target: OpenAITarget) -> dict:
     """One run of the workload against an OpenAI-compatible server; bench.serve's result keys
     (the speedup model's fields are null: γ is the server's business)."""
     server = OpenAIServer(target, config)
+    # What the endpoint does, not what --chat asked: /v1/completions applies no template (its
+    # results said "chat" beside a gRPC run's and compared as the same workload).
+    config = config.replace(chat=server.chat)
     try:
         requests = build_requests(config)
         for req in requests[: config.warmup_requests]:

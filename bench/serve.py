@@ -156,6 +156,7 @@ class RequestRecord:
     verify_device_time: float = 0.0
     verify_step_time: float = 0.0
     draft_device_time: float = 0.0
+    drafter_fallback_rounds: int = 0  # rounds run without drafts because no drafter was reachable
     drafters: list[str] = field(default_factory=list)  # servers its sessions were on (pools), in order
     verifiers: list[str] = field(default_factory=list)
     finish_reason: str | None = None
@@ -344,6 +345,7 @@ async def send_request(client: SpeculativeClient, req: BenchRequest, config: Wor
     rec.verify_device_time = getattr(result, "verify_device_s", 0.0)  # 0 from a client without engine times
     rec.verify_step_time = getattr(result, "verify_step_s", 0.0)
     rec.draft_device_time = getattr(result, "draft_device_s", 0.0)
+    rec.drafter_fallback_rounds = getattr(result, "drafter_fallback_rounds", 0)
     rec.drafters, rec.verifiers = list(result.drafter_addresses), list(result.verifier_addresses)
     rec.finish_reason = result.finish_reason
     return rec
@@ -487,6 +489,9 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float,
         # were target-only rounds: the first token, a drafter catching up, γ = 0 under load).
         "speculative_round_share": (None if any(r.speculative_rounds is None for r in ok)
                                     else _ratio(sum(r.speculative_rounds for r in ok), rounds)),
+        # Rounds that wanted drafts and ran without them, no drafter answering (one down
+        # mid-run): a share past 0 means the run is partly a target-only one.
+        "drafter_fallback_round_share": _ratio(sum(r.drafter_fallback_rounds for r in ok), rounds),
         # Drafts the drafter had ready from its speculation cache (fanout > 0), of all drafts.
         "speculation_cache_hit_rate": _ratio(sum(r.cached_draft_tokens for r in ok), drafts),
         "goodput": None,
@@ -629,7 +634,9 @@ def workload_keys(config: WorkloadConfig) -> dict:
         **({"random_dataset": dataclasses.asdict(config.random_dataset)} if config.dataset == RANDOM else {}),
         "chat": config.chat and config.dataset != RANDOM,
         "request_rate": _json_rate(config.request_rate),
+        "burstiness": config.burstiness,
         "max_concurrency": config.max_concurrency,
+        "duration_limit_s": config.duration_limit_s,
         "seed": config.seed,
         "sampling": {k: v for k, v in dataclasses.asdict(config.params).items()
                      if k in ("temperature", "top_k", "top_p", "min_p", "max_tokens", "ignore_eos")},
@@ -657,8 +664,6 @@ def assemble_result(config: WorkloadConfig, records: Sequence[RequestRecord], du
         **workload_keys(config),
         "num_speculative_tokens": gamma,
         "fanout": 0 if config.target_only else config.fanout,
-        "burstiness": config.burstiness,
-        "duration_limit_s": config.duration_limit_s,
         "goodput_slos_ms": dict(config.goodput_slos_ms) or None,
     }
     result["metric_percentiles"] = result_percentiles(config.metric_percentiles)
@@ -753,6 +758,8 @@ def format_result(result: dict) -> str:
     row("Num speculative tokens (gamma):", result["num_speculative_tokens"])
     row("Draft acceptance rate:", result["acceptance_rate"], 3)
     row("Rounds that speculated:", result.get("speculative_round_share"), 3)
+    if result.get("drafter_fallback_round_share"):
+        row("Rounds without a drafter (down):", result["drafter_fallback_round_share"], 3)
     row("Mean gamma (all rounds):", result.get("mean_drafts_per_round"))
     row("Mean accepted tokens per round:", result["mean_accepted_tokens_per_round"])
     row("Mean tokens per round:", result["mean_tokens_per_round"])
@@ -773,6 +780,9 @@ def format_result(result: dict) -> str:
     row("Measured speedup:", result.get("measured_speedup"))
     row("System efficiency (measured/ideal):", result.get("system_efficiency"), 3)
     lines.append("=" * width)
+    if result.get("drafter_fallback_round_share"):
+        lines.append(f"WARNING: {result['drafter_fallback_round_share']:.1%} of the rounds ran target-only because no "
+                     "drafter answered: this is not a clean speculative run")
     lines.append(format_categories(result["per_category"]))
     return "\n".join(lines)
 

@@ -121,6 +121,9 @@ def test_target_only_never_calls_the_drafter_but_speculative_does(drafter_proc, 
     other = [a if a != "6" else "7" for a in common]  # --max-tokens 7
     assert _bench("serve", *other, "--baseline-json", str(tmp_path / "base.json"), "--num-speculative-tokens", "4",
                   "--result-json", str(tmp_path / "other.json")) == 2
+    # Arrivals of another shape, too (burstiness was not compared: a baseline of 5 stood for 0.5)
+    assert _bench("serve", *common, "--burstiness", "0.5", "--baseline-json", str(tmp_path / "base.json"),
+                  "--num-speculative-tokens", "4", "--result-json", str(tmp_path / "other.json")) == 2
     assert server_stats(drafter_proc.address, "drafter")["requests"] == after_speculative["requests"]
     assert not (tmp_path / "other.json").exists()
 
@@ -359,3 +362,43 @@ def test_an_openai_reply_whose_first_token_is_eos_is_timed_not_nan(chat):
     metrics = compute_metrics([rec], 1.0, goodput_slos_ms={"ttft": 10_000.0})
     assert metrics["request_goodput"] == 1.0
     json.dumps(metrics, allow_nan=False)  # strict JSON: no NaN anywhere
+
+
+def test_bench_arguments_that_would_mislead_are_refused_and_repeated_slos_add_up(capsys):
+    """--burstiness inf sent every request at once (NaN gaps) under a printed finite rate and
+    wrote Infinity into the JSON; --max-tokens beside --dataset random was ignored (its output
+    lengths are --random-output-len); a variant listed twice overwrote the first's runs; a
+    second --goodput dropped the first's SLOs."""
+    from cli import build_parser
+
+    servers = ["--verifier", "127.0.0.1:1", "--drafter", "127.0.0.1:1"]
+    with pytest.raises(SystemExit):
+        main(["bench", "serve", *servers, "--burstiness", "inf"])
+    assert "--burstiness must be <=" in capsys.readouterr().err
+    assert _bench("serve", *servers, "--dataset", "random", "--max-tokens", "8") == 2
+    assert "--random-output-len" in capsys.readouterr().err
+    assert _bench("compare", *servers, "--variants", "gamma=2", "gamma=2") == 2
+    assert "lists one twice" in capsys.readouterr().err
+    args = build_parser(bench=True).parse_args(["bench", "serve", *servers, "--goodput", "ttft:100",
+                                               "--goodput", "tpot:5", "e2el:900"])
+    assert dict(args.goodput) == {"ttft": 100.0, "tpot": 5.0, "e2el": 900.0}
+
+
+def test_a_run_whose_drafter_went_away_says_so():
+    """Rounds that ran target-only because no drafter answered (one killed mid-run) make the
+    result say it is no clean speculative run; it read as one, with acceptance and speedup."""
+    from bench.serve import WorkloadConfig, assemble_result, format_result
+
+    def record(i: int, fallback: int) -> RequestRecord:
+        return RequestRecord(i, "qa", str(i), input_tokens=4, output_tokens=8, ttft=0.1, e2el=0.5, itl=[0.1] * 3,
+                             rounds=4, speculative_rounds=4 - fallback, draft_tokens=4, accepted_tokens=4,
+                             drafter_fallback_rounds=fallback)
+
+    config = WorkloadConfig(verifier="127.0.0.1:1", drafter="127.0.0.1:2")
+    clean = assemble_result(config, [record(0, 0), record(1, 0)], 1.0, backend="grpc", gamma=4, server_stats={},
+                            verifier_model="m", drafter_model="d")
+    broken = assemble_result(config, [record(0, 0), record(1, 3)], 1.0, backend="grpc", gamma=4, server_stats={},
+                             verifier_model="m", drafter_model="d")
+    assert clean["drafter_fallback_round_share"] == 0 and "WARNING" not in format_result(clean)
+    assert broken["drafter_fallback_round_share"] == pytest.approx(3 / 8)
+    assert "WARNING: 37.5% of the rounds ran target-only" in format_result(broken)
