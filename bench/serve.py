@@ -24,13 +24,16 @@ Metrics follow vLLM's `benchmarks/serve.py` names and definitions:
   `total_token_throughput` counts input + output tokens.
 - goodput (vLLM's `--goodput ttft:MS tpot:MS e2el:MS`): completed requests meeting
   every given SLO, per second.
+- per request, vLLM's arrays `input_lens`, `output_lens`, `ttfts`, `itls` and `errors`.
 Ours: `acceptance_rate` (accepted / proposed drafts), `mean_accepted_tokens_per_round`
 (accepted drafts per round, bonus token excluded), `mean_rounds_per_request`, and per
 round of each request `accepted_per_round` (the tokens its chunk carries minus one; a
 round cut short by EOS counts only the tokens kept) and `drafts_per_round` (as the client
 reports them: 0 for the first round and for every target-only round), plus
 `speculative_round_share` (rounds that drafted / all rounds) and `mean_drafts_per_round`
-(the mean γ over all rounds, the γ of the ideal-speedup model below).
+(the mean γ over all rounds, the γ of the ideal-speedup model below), and
+`drafter_fallback_round_share` (rounds run without drafts because no drafter answered: past 0,
+the run is partly target-only, and says so).
 
 Against the engines. Every reply carries the engine step's load (EngineLoad): `device_ms`
 (the forward and the sampler on the device) of the verifier step that served a round, and
@@ -677,6 +680,15 @@ def assemble_result(config: WorkloadConfig, records: Sequence[RequestRecord], du
     }
     result["server_stats"] = server_stats
     result["per_request"] = [dataclasses.asdict(r) for r in records]
+    # vLLM's per-request arrays (seconds; a failed request: 0 and its error), so scripts written
+    # for `vllm bench serve --save-result` files read ours unchanged.
+    result.update({
+        "input_lens": [r.input_tokens for r in records],
+        "output_lens": [r.output_tokens if r.ok else 0 for r in records],
+        "ttfts": [r.ttft if r.ok else 0.0 for r in records],
+        "itls": [list(r.itl) if r.ok else [] for r in records],
+        "errors": [r.error or "" for r in records],
+    })
     return result
 
 

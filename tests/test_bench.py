@@ -56,6 +56,10 @@ def test_serve_writes_json_whose_counts_add_up_and_percentiles_are_ordered(draft
     for name in LATENCY_METRICS:
         assert res[f"median_{name}_ms"] <= res[f"p90_{name}_ms"] <= res[f"p99_{name}_ms"], name
     assert res["mean_e2el_ms"] == pytest.approx(1000 * np.mean([r["e2el"] for r in done]))
+    # vLLM's per-request arrays, in seconds, for scripts that read `vllm bench serve` results
+    assert res["ttfts"] == [r["ttft"] for r in res["per_request"]] and res["errors"] == [""] * 7
+    assert res["output_lens"] == [r["output_tokens"] for r in done] and len(res["input_lens"]) == 7
+    assert res["mean_itl_ms"] == pytest.approx(1000 * np.mean([gap for gaps in res["itls"] for gap in gaps]))
     assert 0.0 <= res["acceptance_rate"] <= 1.0
     assert res["goodput"] == pytest.approx(res["request_throughput"])  # every request meets a 60 s SLO
     # 7 prompts interleave the 7 categories: one each, and the categories add up to the total.
