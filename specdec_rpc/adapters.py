@@ -234,7 +234,8 @@ class SessionMethods:
     def OpenSession(self, request, context):
         owner = caller_owner(context)
         session_id = self.engine.open_session(owner=owner)
-        if not context.is_active():
+        left = context.time_remaining()  # None without a deadline
+        if not context.is_active() or (left is not None and left <= 0):
             # Its caller gave up (its deadline passed while the call queued on a busy server):
             # the id would reach no one, and the session would hold its KV slot until the TTL.
             self.engine.close_session(session_id, owner=owner)

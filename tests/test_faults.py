@@ -358,9 +358,13 @@ def test_a_session_opened_after_its_caller_gave_up_is_closed_at_once(target_lm):
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.VerifierStub(channel)
             with engine.sessions._admission:  # every open waits here, as behind a long admission
+                # A deadline long enough for the server to read the call and start its handler
+                # on a loaded host: gRPC runs no handler for a call that expired before that (0.3 s
+                # failed a CI run that way).
                 with pytest.raises(grpc.RpcError) as late:
-                    stub.OpenSession(pb.OpenSessionRequest(), timeout=0.3)
+                    stub.OpenSession(pb.OpenSessionRequest(), timeout=3.0)
                 assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                time.sleep(0.2)  # the server's copy of the deadline (from the call's arrival) passes too
             # The handler goes on once admission is free: it opens the session, finds its caller
             # gone and closes it (the store remembers it as closed, not expired).
             wait_for(lambda: len(engine.sessions._gone) == 1, 10, "the late session to be opened and closed")
