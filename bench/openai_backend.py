@@ -37,6 +37,7 @@ from bench.serve import (
     assemble_result,
     dispatch,
     request_params,
+    warn_if_cycled,
 )
 from specdec.sampling import SamplingParams
 
@@ -199,6 +200,7 @@ def build_requests(config: WorkloadConfig) -> list[BenchRequest]:
     """bench.serve's order (seeded, category-interleaved, cycling); no local tokenizer, so
     prompt_ids stay empty and input tokens come from the server's usage."""
     prompts = interleave(load_dataset(config.dataset), config.seed)
+    warn_if_cycled(len(prompts), config)
     return [BenchRequest(i, prompts[i % len(prompts)], ()) for i in range(config.num_prompts)]
 
 

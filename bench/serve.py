@@ -265,7 +265,15 @@ def build_requests(client: SpeculativeClient, config: WorkloadConfig) -> list[Be
         raise ValueError(f"no prompt of {config.dataset} fits the context with max_tokens={config.params.max_tokens}")
     if len(encoded) < len(prompts):
         log.warning("skipped %d prompts longer than %d tokens", len(prompts) - len(encoded), limit)
+    warn_if_cycled(len(encoded), config)
     return [BenchRequest(i, *encoded[i % len(encoded)]) for i in range(config.num_prompts)]
+
+
+def warn_if_cycled(available: int, config: WorkloadConfig) -> None:
+    """More requests than prompts: some are sent again (vLLM oversamples too, and says so)."""
+    if available < config.num_prompts:
+        log.warning("%s has %d usable prompts for --num-prompts %d: they are sent again in the same order to make "
+                    "up the number", config.dataset, available, config.num_prompts)
 
 
 def _random_requests(client: SpeculativeClient, config: WorkloadConfig) -> list[BenchRequest]:

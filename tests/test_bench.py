@@ -406,3 +406,15 @@ def test_a_run_whose_drafter_went_away_says_so():
     assert clean["drafter_fallback_round_share"] == 0 and "WARNING" not in format_result(clean)
     assert broken["drafter_fallback_round_share"] == pytest.approx(3 / 8)
     assert "WARNING: 37.5% of the rounds ran target-only" in format_result(broken)
+
+
+def test_a_dataset_smaller_than_num_prompts_is_said_to_be_sent_again(caplog):
+    """Requests past the dataset's prompts cycle through it again; that was silent."""
+    from bench.serve import WorkloadConfig, warn_if_cycled
+
+    config = WorkloadConfig(verifier="127.0.0.1:1", dataset="two.jsonl", num_prompts=6)
+    with caplog.at_level("WARNING"):
+        warn_if_cycled(6, config)
+        assert not caplog.records
+        warn_if_cycled(2, config)
+    assert "two.jsonl has 2 usable prompts for --num-prompts 6" in caplog.text
