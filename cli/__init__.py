@@ -16,7 +16,7 @@ import threading
 
 from specdec.argtypes import (  # noqa: F401
     device as device_arg,
-    MAX_TIMEOUT_S, MAX_WAIT_MS, AddressList, add_client_security_args, gamma_arg, log_level, port, positive,
+    LOGPROBS_MODES, MAX_TIMEOUT_S, MAX_WAIT_MS, AddressList, add_client_security_args, gamma_arg, log_level, port, positive,
 )
 from specdec.errors import SpecDecError
 
@@ -106,8 +106,7 @@ def _add_model_args(p: argparse.ArgumentParser, role: str) -> None:
         p.add_argument("--sampler-backend", default="auto", choices=["auto", "torch", "triton"],
                        help="batched speculative sampler: the fused Triton kernel (CUDA; auto picks it when triton "
                             "imports) or torch ops; both emit the same tokens for the same seed")
-        p.add_argument("--logprobs-mode", default="processed_logprobs",
-                       choices=["processed_logprobs", "raw_logprobs"],
+        p.add_argument("--logprobs-mode", default=LOGPROBS_MODES[0], choices=LOGPROBS_MODES,
                        help="what requested logprobs of generated tokens are (vLLM's flag): under the distribution "
                             "each token was sampled from, after temperature, top-k/p, penalties and bias "
                             "(default), or under the model's raw one (vLLM V1's default)")

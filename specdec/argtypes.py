@@ -7,6 +7,7 @@ import argparse
 import os
 
 MAX_WAIT_MS = 60_000.0  # --max-wait-ms above this is a typo (inf overflowed queue.get and stopped the engine)
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")  # vLLM's --logprobs-mode values we do
 MAX_TIMEOUT_S = 86_400.0  # a day: gRPC deadlines past this (inf) failed every call DEADLINE_EXCEEDED
 
 

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from specdec.argtypes import LOGPROBS_MODES
 from specdec.batching import BatchPolicy, BatchScheduler, WorkItem
 from specdec.errors import CallCancelled, InvalidArgument, OutOfRange, ResourceExhausted, SessionClosed
 from specdec.models import CausalLM, ModelSpec, device_uuid, tokenizer_source
@@ -199,8 +200,8 @@ class EngineConfig:
     speculative_disable_by_batch_size: int = 0
 
     def __post_init__(self) -> None:
-        if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
-            raise ValueError(f"logprobs_mode must be processed_logprobs or raw_logprobs, got {self.logprobs_mode!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
 
 
 # Chunk budget per step when none is given: on a CPU a 256-token float32 step of a small model
