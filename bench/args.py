@@ -412,7 +412,9 @@ def run_bench(args: argparse.Namespace) -> int:
     from bench import engine as bench_engine, sampler as bench_sampler
 
     if hasattr(args, "max_tokens_default"):
-        if args.max_tokens is not None and getattr(args, "dataset", None) == "random":
+        from bench.datasets import RANDOM
+
+        if args.max_tokens is not None and getattr(args, "dataset", None) == RANDOM:
             raise ValueError("--max-tokens does not apply to --dataset random: each request's max_tokens is "
                              "--random-output-len (default 128)")
         if args.max_tokens is None:

@@ -356,7 +356,7 @@ async def send_request(client: SpeculativeClient, req: BenchRequest, config: Wor
     rec.verify_device_time = getattr(result, "verify_device_s", 0.0)  # 0 from a client without engine times
     rec.verify_step_time = getattr(result, "verify_step_s", 0.0)
     rec.draft_device_time = getattr(result, "draft_device_s", 0.0)
-    rec.drafter_fallback_rounds = getattr(result, "drafter_fallback_rounds", 0)
+    rec.drafter_fallback_rounds = result.drafter_fallback_rounds
     rec.drafters, rec.verifiers = list(result.drafter_addresses), list(result.verifier_addresses)
     rec.finish_reason = result.finish_reason
     return rec

@@ -116,11 +116,12 @@ class Gateway:
 
     def check_model(self, model: str | None) -> str:
         names = self.served_names()
-        if model and model not in names:  # "" or None: the first name, as before
-            if not self.config.served_model_names and model == self.upstream.require().verifier_info.model:
-                return names[0]  # the tagged name (the id before): answered and counted as the id
-            raise APIError(404, f"The model `{model}` does not exist; this server serves {', '.join(names)}.",
-                           param="model", code="model_not_found")
+        if model and model not in names:  # "" or None: the first name
+            # Without --served-model-name the verifier's tagged name (the id before) answers too.
+            tagged = not self.config.served_model_names and model == self.upstream.require().verifier_info.model
+            if not tagged:
+                raise APIError(404, f"The model `{model}` does not exist; this server serves {', '.join(names)}.",
+                               param="model", code="model_not_found")
         # Any served name answers, and is answered and counted as the first (vLLM's rule): one
         # label for a dashboard, whichever alias its clients send.
         return names[0]
