@@ -249,7 +249,8 @@ def test_a_timeout_s_too_short_for_any_call_is_named_and_its_sessions_are_closed
     finally:
         client.close()
     # A session whose OpenSession answered after the client's deadline is one the client never
-    # learnt of: it stays until the server's TTL, so the bound is the sessions opened in time.
+    # learnt of: the server closes it when it sees the deadline passed, but one whose deadline
+    # passes after that check stays until the TTL, so the bound is the sessions opened in time.
     opened = verifier_stub.GetStats(pb.StatsRequest()).live_sessions - before
     assert opened <= 2, opened
 
