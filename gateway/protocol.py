@@ -613,5 +613,15 @@ class DetokenizeRequest(BaseModel):
 
 
 def models_list(names: list[str], root: str, max_context: int, created: int) -> dict:
+    """vLLM's ModelCard for each served name: `parent` is None (no LoRA adapters here) and one
+    `permission` entry with vLLM's defaults, so clients that read either find them."""
     return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "specdec",
-                                        "root": root, "max_model_len": max_context} for n in names]}
+                                        "root": root, "parent": None, "max_model_len": max_context,
+                                        "permission": [_model_permission(n, created)]} for n in names]}
+
+
+def _model_permission(name: str, created: int) -> dict:
+    return {"id": f"modelperm-{name}", "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+            "organization": "*", "group": None, "is_blocking": False}

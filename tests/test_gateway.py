@@ -775,6 +775,11 @@ def test_models_retrieve_answers_a_served_name_and_404s_another(oai, model):
     """OpenAI's GET /v1/models/{id} (the SDK's models.retrieve), the card /v1/models lists."""
     card = oai.models.retrieve(model)
     assert card.model_dump() == oai.models.list().data[0].model_dump()
+    # vLLM's ModelCard fields beyond OpenAI's: no LoRA parent, one permission entry
+    extra = card.model_extra
+    assert extra["parent"] is None and extra["max_model_len"] > 0
+    assert [p["object"] for p in extra["permission"]] == ["model_permission"]
+    assert extra["permission"][0]["allow_sampling"] and extra["permission"][0]["allow_logprobs"]
     with pytest.raises(openai.NotFoundError) as err:
         oai.models.retrieve("no-such-model")
     assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
