@@ -8,6 +8,9 @@ import os
 
 MAX_WAIT_MS = 60_000.0  # --max-wait-ms above this is a typo (inf overflowed queue.get and stopped the engine)
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")  # vLLM's --logprobs-mode values we do
+# A verify round's target-only decode steps (VerifyRequest.decode_steps): the row holds its session
+# for that many steps, and its caller's deadline must cover them.
+MAX_DECODE_STEPS = 64
 MAX_TIMEOUT_S = 86_400.0  # a day: gRPC deadlines past this (inf) failed every call DEADLINE_EXCEEDED
 
 

@@ -222,7 +222,7 @@ class EngineLoad(_message.Message):
     def __init__(self, running_sessions: _Optional[int] = ..., step_rows: _Optional[int] = ..., step_tokens: _Optional[int] = ..., step_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., speculation_disabled: _Optional[bool] = ..., device_ms: _Optional[float] = ..., host_ms: _Optional[float] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "truncate_to", "append_token_ids", "draft_token_ids", "proposal", "sampling", "prompt_length")
+    __slots__ = ("session_id", "truncate_to", "append_token_ids", "draft_token_ids", "proposal", "sampling", "prompt_length", "decode_steps")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_TO_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,7 @@ class VerifyRequest(_message.Message):
     PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     truncate_to: int
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -237,7 +238,8 @@ class VerifyRequest(_message.Message):
     proposal: Proposal
     sampling: SamplingParams
     prompt_length: int
-    def __init__(self, session_id: _Optional[str] = ..., truncate_to: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_length: _Optional[int] = ...) -> None: ...
+    decode_steps: int
+    def __init__(self, session_id: _Optional[str] = ..., truncate_to: _Optional[int] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prompt_length: _Optional[int] = ..., decode_steps: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "rank", "top_token_ids", "top_logprobs")

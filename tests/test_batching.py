@@ -561,3 +561,62 @@ def test_logprobs_mode_reports_the_processed_or_the_raw_distribution(target_lm, 
         assert [e.top_token_ids for e in out.logprobs] == logits.topk(3).indices.tolist()
     else:
         assert torch.allclose(reported, processed[torch.arange(4), emitted], atol=1e-4)
+
+
+def test_decode_steps_rounds_equal_single_steps_and_stop_where_the_generation_would(target_lm):
+    """A target-only round of decode_steps = 6 gives the tokens (and logprobs) of six one-step
+    rounds: greedy, and sampled with a seed, penalties and top-k (the draws are keyed by
+    position). It stops right after a stop_token_id, rows that decode share steps with each
+    other and with a plain round, and bad values are refused before any session is touched."""
+    from specdec.errors import InvalidArgument
+    from specdec.serving import EngineConfig
+    from verifier_service.engine import VerifierEngine, VerifyCall
+
+    engine = VerifierEngine(target_lm.spec, EngineConfig(speculation_slots=0), lm=target_lm)
+    prompt = target_lm.tokenizer("The quick brown fox jumps over the lazy dog. Then").input_ids
+    try:
+        for params in (SamplingParams(temperature=0.0, logprobs=2),
+                       SamplingParams(temperature=0.9, top_k=50, seed=7, repetition_penalty=1.3, logprobs=1)):
+            one = engine.open_session()
+            out = engine.verify_call(VerifyCall(one, 0, prompt, [], None, params, len(prompt)))
+            stepped, lps = list(out.output_token_ids), list(out.logprobs)
+            for _ in range(5):
+                out = engine.verify_call(VerifyCall(one, len(prompt) + len(stepped) - 1, stepped[-1:], [], None, params,
+                                                    len(prompt)))
+                stepped += out.output_token_ids
+                lps += out.logprobs
+            many = engine.open_session()
+            first = engine.verify_call(VerifyCall(many, 0, prompt, [], None, params, len(prompt)))
+            out = engine.verify_call(VerifyCall(many, len(prompt), first.output_token_ids, [], None, params,
+                                                len(prompt), decode_steps=5))
+            assert first.output_token_ids + out.output_token_ids == stepped, params
+            assert out.kv_length == len(prompt) + len(stepped) - 1 and out.num_accepted == 0
+            assert [e.logprob for e in first.logprobs + out.logprobs] == pytest.approx([e.logprob for e in lps],
+                                                                                       abs=1e-5)
+        greedy = SamplingParams(temperature=0.0)
+        sids = [engine.open_session() for _ in range(3)]
+        heads = [engine.verify_call(VerifyCall(s, 0, prompt, [], None, greedy, len(prompt))).output_token_ids
+                 for s in sids]
+        batches = engine.scheduler.stats.batches
+        outs = engine.verify_batch([VerifyCall(sids[0], len(prompt), heads[0], [], None, greedy, len(prompt),
+                                               decode_steps=8),
+                                    VerifyCall(sids[1], len(prompt), heads[1], [], None, greedy, len(prompt),
+                                               decode_steps=0),
+                                    VerifyCall(sids[2], len(prompt), heads[2], [], None, greedy, len(prompt),
+                                               decode_steps=8)])
+        assert [len(o.output_token_ids) for o in outs] == [8, 1, 8]
+        assert outs[0].output_token_ids == outs[2].output_token_ids
+        assert engine.scheduler.stats.batches - batches <= 9  # 8 steps, rows together (+1: a late arrival)
+        decoded = outs[0].output_token_ids
+        stop = SamplingParams(temperature=0.0, stop_token_ids=[decoded[3]])
+        sid = engine.open_session()
+        engine.verify_call(VerifyCall(sid, 0, prompt, [], None, stop, len(prompt)))
+        out = engine.verify_call(VerifyCall(sid, len(prompt), heads[0], [], None, stop, len(prompt), decode_steps=8))
+        assert out.output_token_ids == decoded[:decoded.index(decoded[3]) + 1]
+        for steps, drafts, field in ((65, [], "decode_steps"), (-1, [], "decode_steps"), (4, [5], "decode_steps")):
+            with pytest.raises(InvalidArgument) as err:
+                engine.verify_call(VerifyCall(sid, 0, prompt, drafts, None, greedy, len(prompt), decode_steps=steps))
+            assert err.value.field == field
+        assert engine.sessions._sessions[sid].length == out.kv_length == len(prompt) + len(out.output_token_ids)  # untouched
+    finally:
+        engine.shutdown()

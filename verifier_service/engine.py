@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from specdec import triton_verification
+from specdec.argtypes import MAX_DECODE_STEPS
 from specdec.batching import WorkItem
 from specdec.errors import InvalidArgument, SpecDecError
 from specdec.models import ModelSpec, Row
@@ -37,7 +38,7 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class VerifyOut:
-    output_token_ids: list[int]  # accepted drafts + one recovered / bonus token
+    output_token_ids: list[int]  # accepted drafts + one recovered / bonus token; decode_steps: one per step
     num_accepted: int
     kv_length: int  # committed + accepted drafts; the last output token is not cached yet
     logprobs: list[TokenLogprob] | None = None  # one per output token when requested
@@ -58,6 +59,7 @@ class VerifyCall:
     params: SamplingParams
     prompt_length: int = 0
     owner: str | None = None  # the caller's credential hash: someone else's session is NOT_FOUND
+    decode_steps: int = 1  # target-only steps this round may run (VerifyRequest.decode_steps)
 
 
 @dataclass
@@ -84,6 +86,9 @@ class _Request:
     queue_ms: float | None = None  # set at the request's first step
     starved_steps: int = 0  # steps in a row that gave this request no tokens at all
     prompt_lp: list[TokenLogprob] = field(default_factory=list)  # params.prompt_logprobs, across its chunks
+    decode_steps: int = 1  # steps this round may run; past the first, one sampled token each
+    decoded: list[int] = field(default_factory=list)  # the tokens of its steps before the current one
+    decoded_lp: list[TokenLogprob] = field(default_factory=list)  # and their logprobs, when asked for
 
     def prompt_scored(self, n: int) -> int:
         """How many of the next n appended tokens after the first are prompt tokens to score
@@ -216,6 +221,11 @@ class VerifierEngine(ServingModel):
         self.check_request(call.truncate_to, call.append_token_ids, k, params, draft_field="draft_token_ids",
                            prompt_length=call.prompt_length)
         self.check_token_ids(call.draft_token_ids, "draft_token_ids")
+        if not 0 <= call.decode_steps <= MAX_DECODE_STEPS:
+            raise InvalidArgument("decode_steps", f"must be in [0, {MAX_DECODE_STEPS}], got {call.decode_steps}")
+        if call.decode_steps > 1 and k:
+            raise InvalidArgument("decode_steps", f"{call.decode_steps} steps go with no drafts: a round either "
+                                                  f"verifies drafts or decodes target-only, got {k} drafts")
         q = None
         if k and params.method == REJECTION:
             proposal = call.proposal
@@ -240,7 +250,8 @@ class VerifierEngine(ServingModel):
 
     @staticmethod
     def _request(call: VerifyCall, session: Session, q: DraftQ | None) -> _Request:
-        return _Request(session, call.append_token_ids, call.draft_token_ids, q, call.params, call.prompt_length)
+        return _Request(session, call.append_token_ids, call.draft_token_ids, q, call.params, call.prompt_length,
+                        decode_steps=max(call.decode_steps, 1))
 
     def _run_batch(self, items: list[WorkItem]) -> list[WorkItem]:
         """One forward of at most max_batched_tokens tokens. Requests that fit whole are verified;
@@ -279,12 +290,17 @@ class VerifierEngine(ServingModel):
         device_ms = timer.ms()
         self._advance_chunks(chunks)
         self.stats.add(forwards=1)
+        decoding = []
         if reqs:
-            self._reply(items, reqs, target, raw_logp, results, self._load(rows, (synced - start) * 1e3, device_ms))
+            decoding = self._reply(items, reqs, target, raw_logp, results,
+                                   self._load(rows, (synced - start) * 1e3, device_ms))
         end = time.perf_counter()
         self.phases.step((prepared - start) * 1e3, device_ms, (end - prepared) * 1e3 - device_ms,
                          (end - start) * 1e3)
-        unfinished = {id(r) for r in waiting} | {id(r) for r, _ in chunks}
+        # Back first in the next step, which waits for no company: a waiting prompt's next chunk,
+        # and a decode_steps round's next token (its row stays in the batch, as a scheduler's
+        # running request does).
+        unfinished = {id(r) for r in waiting} | {id(r) for r, _ in chunks} | {id(r) for r in decoding}
         return [it for it in items if id(it.payload) in unfinished]
 
     def _rows(self, reqs: list[_Request], chunks: list[tuple[_Request, list[int]]]) -> tuple[list[Row], list[int]]:
@@ -333,17 +349,40 @@ class VerifierEngine(ServingModel):
                           device_ms=device_ms, host_ms=max(step_ms - device_ms, 0.0))
 
     def _reply(self, items: list[WorkItem], reqs: list[_Request], target: torch.Tensor,
-               raw_logp: list[torch.Tensor | None], results: list[list[int]], load: EngineLoad) -> None:
+               raw_logp: list[torch.Tensor | None], results: list[list[int]], load: EngineLoad) -> list[_Request]:
         """Settle each verified request with its accepted prefix and next token; one that fails
-        (a distribution without mass) fails alone."""
+        (a distribution without mass) fails alone. Returns the decode_steps rounds that go on:
+        their token is cached by their next step, which samples the one after it."""
         by_request = {id(it.payload): it for it in items}
+        going_on = []
         for i, r in enumerate(reqs):
             item = by_request[id(r)]
             try:
-                item.future.set_result(self._finish(r, target[i], results[i][0], results[i][1:],
-                                                    dataclasses.replace(load, queue_ms=r.queue_ms), raw_logp[i]))
+                out = self._finish(r, target[i], results[i][0], results[i][1:],
+                                   dataclasses.replace(load, queue_ms=r.queue_ms), raw_logp[i])
+                if self._decodes_on(r, out.output_token_ids[-1]):
+                    r.decoded += out.output_token_ids
+                    r.decoded_lp += out.logprobs or []
+                    r.append_token_ids, r.draft_token_ids, r.q = out.output_token_ids[-1:], [], None
+                    going_on.append(r)
+                    continue
+                if r.decoded:
+                    out = dataclasses.replace(out, output_token_ids=r.decoded + out.output_token_ids,
+                                              logprobs=None if out.logprobs is None else r.decoded_lp + out.logprobs)
+                item.future.set_result(out)
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 item.future.set_exception(exc)
+        return going_on
+
+    def _decodes_on(self, r: _Request, token: int) -> bool:
+        """Whether a decode_steps round runs another step after emitting `token`: steps left, no
+        stop (the processors masked EOS and stop_token_ids while min_tokens outputs were
+        missing, so a sampled one ends the generation) and room in the context for the token."""
+        if len(r.decoded) + 1 >= r.decode_steps:
+            return False
+        if token in r.params.stop_token_ids or (token in self.info.eos_token_ids and not r.params.ignore_eos):
+            return False
+        return r.session.length + 1 <= self.lm.max_context
 
     def _sampler_inputs(self, reqs: list[_Request], device: torch.device) -> dict:
         """The sampler's inputs for the whole batch. Every per-row integer (drafts, their count,

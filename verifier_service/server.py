@@ -48,9 +48,11 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
     def VerifyStream(self, request_iterator, context):
         """One long-lived stream per client: each message is begun on the engine by a reader
         thread as it arrives (checked, sessions held, queued), so a step never waits for the
-        reply to an earlier one; this thread waits for each in turn (the engine serves them in
-        arrival order) and builds the replies. However the stream ends (the client closes it,
-        disconnects or is cancelled), every begun message is finished: no session stays held.
+        reply to an earlier one; this thread builds each message's reply once all its rounds
+        are settled, in the order they settle (the tags match them): a message whose rounds
+        decode several steps (decode_steps) does not hold back the replies of later one-step
+        messages. However the stream ends (the client closes it, disconnects or is cancelled),
+        every begun message is finished: no session stays held.
 
         The entries begun and not yet replied to are bounded (`_max_entries`): a client that
         stops reading its replies stops being read once the window is full (gRPC's flow control
@@ -69,18 +71,20 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
 
     def _stream(self, request_iterator, context):
         owner = caller_owner(context)
-        begun: queue.SimpleQueue = queue.SimpleQueue()  # (tag, BatchInFlight, entries) in arrival order;
-        # a refusal's message; None: ended
+        # (tag, BatchInFlight, entries) once all its rounds are settled; a refusal's message; None:
+        # the reader ended
+        settled: queue.SimpleQueue = queue.SimpleQueue()
         window = self._max_entries()
         room = threading.Condition()
-        state = {"closed": False, "in_flight": 0}  # entries begun and not yet replied to
+        # entries begun and not yet replied to; the messages begun and not yet finished, by id
+        state = {"closed": False, "in_flight": 0, "open": {}}
 
         def read() -> None:
             try:
                 for message in request_iterator:
                     entries = max(len(message.requests), 1)
                     if entries > window:  # the stream ends there, once the replies before it are out
-                        begun.put(_too_many(entries, window))
+                        settled.put(_too_many(entries, window))
                         return
                     with room:  # never begin a message after the stream has let its sessions go
                         room.wait_for(lambda: state["closed"] or not state["in_flight"]
@@ -88,20 +92,31 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
                         if state["closed"]:
                             return
                         state["in_flight"] += entries
-                        begun.put((message.tag, self.engine.begin_batch(_calls(message, owner), context.is_active),
-                                   entries))
+                        begun = (message.tag, self.engine.begin_batch(_calls(message, owner), context.is_active),
+                                 entries)
+                        state["open"][id(begun)] = begun
+                    _when_settled(begun[1].futures, lambda begun=begun: settled.put(begun))
             except grpc.RpcError:
                 pass  # the client went away: the stream's end finishes what was begun
             except Exception:  # noqa: BLE001 - never leave the stream waiting
                 log.exception("VerifyStream reader failed")
             finally:
-                begun.put(None)
+                settled.put(None)
 
         threading.Thread(target=read, name="verify-stream", daemon=True).start()
+        reader_done, refusal = False, None
         try:
-            while (item := begun.get()) is not None:
-                if isinstance(item, str):
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, item)
+            while True:
+                with room:
+                    if reader_done and not state["open"]:
+                        break
+                item = settled.get()
+                if item is None or isinstance(item, str):
+                    reader_done, refusal = True, item or refusal
+                    continue
+                with room:
+                    if state["open"].pop(id(item), None) is None:  # finished by the stream's end already
+                        continue
                 tag, batch, entries = item
                 reply = _batch_response(self.engine.finish_batch(batch))
                 reply.tag = tag
@@ -109,17 +124,16 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
                 with room:
                     state["in_flight"] -= entries
                     room.notify()
+            if refusal is not None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
         finally:
             with room:
                 state["closed"] = True
+                left = list(state["open"].values())
+                state["open"].clear()
                 room.notify()
-            while True:  # the client is gone mid-stream: release the sessions all the same
-                try:
-                    item = begun.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None and not isinstance(item, str):
-                    self.engine.finish_batch(item[1])
+            for _, batch, _ in left:  # the client is gone mid-stream: release the sessions all the same
+                self.engine.finish_batch(batch)
 
     def _max_entries(self) -> int:
         """Entries of one VerifyBatch, and those one VerifyStream may have begun and not yet
@@ -127,6 +141,25 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
         and one more full client batch. A million bogus entries in one call held the engine's
         checks for 30 s and 3 GB."""
         return self.engine.info.max_sessions + STREAM_SLACK_ENTRIES
+
+
+def _when_settled(futures: list, then) -> None:
+    """Call `then()` once every future is done (at once if there is none), from the thread that
+    settles the last (the engine's)."""
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            then()
+
+    if not futures:
+        then()
+    for future in futures:
+        future.add_done_callback(one_done)
 
 
 def _too_many(entries: int, cap: int) -> str:
@@ -158,7 +191,7 @@ def _batch_response(outs: list[VerifyOut | Exception]) -> pb.VerifyBatchResponse
 def _call(request: pb.VerifyRequest, owner: str | None) -> VerifyCall:
     return VerifyCall(request.session_id, request.truncate_to, list(request.append_token_ids),
                       list(request.draft_token_ids), proposal_from_pb(request.proposal, request.HasField("proposal")),
-                      sampling_from_pb(request.sampling), request.prompt_length, owner)
+                      sampling_from_pb(request.sampling), request.prompt_length, owner, request.decode_steps)
 
 
 def _response(out: VerifyOut) -> pb.VerifyResponse:
