@@ -10,7 +10,9 @@ import math
 import os
 import sys
 
-from specdec.argtypes import MAX_TIMEOUT_S, add_client_security_args, output_file, positive as _positive, positive_list
+from specdec.argtypes import (
+    MAX_TIMEOUT_S, add_client_security_args, add_decode_steps_arg, output_file, positive as _positive, positive_list,
+)
 
 
 def _dataset(text: str) -> str:
@@ -129,6 +131,7 @@ def _add_workload_args(p: argparse.ArgumentParser, verifier_required: bool = Tru
                    help="gamma, or 'auto' (default: adaptive per round in [0, 8], goodput under the reported load)")
     p.add_argument("--fanout", type=_positive("--fanout", zero=True), default=0,
                    help="speculation cache: the drafter pre-drafts the next round for its top-F bonus candidates")
+    add_decode_steps_arg(p)
     p.add_argument("--timeout-s", type=_positive("--timeout-s", float, maximum=MAX_TIMEOUT_S), default=60.0,
                    help="deadline of every call")
     p.add_argument("--duration-limit-s", type=_positive("--duration-limit-s", float, maximum=MAX_TIMEOUT_S),
@@ -261,7 +264,7 @@ def _workload(args: argparse.Namespace, target_only: bool):
         random_dataset=_random_dataset(args),
         request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,
         seed=args.seed, params=params, num_speculative_tokens=args.num_speculative_tokens, chat=args.chat,
-        fanout=args.fanout,
+        fanout=args.fanout, decode_steps=args.decode_steps,
         target_only=target_only, timeout_s=args.timeout_s, duration_limit_s=args.duration_limit_s,
         goodput_slos_ms=dict(args.goodput), warmup_requests=args.warmup_requests,
         metric_percentiles=args.metric_percentiles,

@@ -59,7 +59,7 @@ def run_compare(base: WorkloadConfig, variants: list[str], repeats: int = 1) -> 
         parsed.insert(0, (TARGET_ONLY, {"target_only": True}))  # the baseline is always measured
     runs: dict[str, list[dict]] = {name: [] for name, _ in parsed}
     with SpeculativeClient(base.verifier, drafter=base.drafter, timeout_s=_call_timeout(base),
-                           recovery_timeout_s=_call_timeout(base),
+                           recovery_timeout_s=_call_timeout(base), decode_steps=base.decode_steps,
                            batch_verify=True,  # as serve and sweep send their steps (and the gateway)
                            **base.client_security()) as client:
         for rep in range(repeats):

@@ -77,6 +77,7 @@ import numpy as np
 from bench.datasets import RANDOM, SHIPPED, BenchPrompt, RandomDataset, interleave, load_dataset
 from client.pool import parse_addresses
 from client.speculative import AUTO, SpeculativeClient, shares_device
+from specdec.argtypes import DEFAULT_DECODE_STEPS
 from specdec.sampling import SamplingParams, mix64
 from specdec_rpc import specdec_pb2 as pb
 from specdec_rpc import specdec_pb2_grpc as pb_grpc
@@ -104,6 +105,7 @@ class WorkloadConfig:
     params: SamplingParams = SamplingParams(temperature=0.0, max_tokens=64)
     num_speculative_tokens: int | str = AUTO  # or a fixed γ
     fanout: int = 0  # speculation cache
+    decode_steps: int = DEFAULT_DECODE_STEPS  # target-only steps a round without drafts may run
     chat: bool = True
     target_only: bool = False
     timeout_s: float = 60.0
@@ -581,6 +583,7 @@ def run_serve(config: WorkloadConfig, client: SpeculativeClient | None = None,
         client = SpeculativeClient(config.verifier, drafter=None if config.target_only else config.drafter,
                                    num_speculative_tokens=config.num_speculative_tokens,
                                    timeout_s=_call_timeout(config), recovery_timeout_s=_call_timeout(config),
+                                   decode_steps=config.decode_steps,
                                    batch_verify=True,  # one VerifyBatch per step, as the gateway sends them
                                    **config.client_security())
     try:
@@ -675,6 +678,7 @@ def assemble_result(config: WorkloadConfig, records: Sequence[RequestRecord], du
         **workload_keys(config),
         "num_speculative_tokens": gamma,
         "fanout": 0 if config.target_only else config.fanout,
+        "decode_steps": config.decode_steps,  # target-only steps a round without drafts may run
         "goodput_slos_ms": dict(config.goodput_slos_ms) or None,
     }
     result["metric_percentiles"] = result_percentiles(config.metric_percentiles)

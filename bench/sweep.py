@@ -51,6 +51,7 @@ def run_sweep(base: WorkloadConfig, concurrency: Sequence[int] = (), request_rat
     points = []
     with SpeculativeClient(base.verifier, drafter=base.drafter, num_speculative_tokens=base.num_speculative_tokens,
                            timeout_s=_call_timeout(base), recovery_timeout_s=_call_timeout(base),
+                           decode_steps=base.decode_steps,
                            batch_verify=True,  # one VerifyBatch per step, as the gateway sends them
                            **base.client_security()) as client:
         bar = tqdm(total=2 * len(settings), desc="sweep", unit="run", disable=not base.show_progress)

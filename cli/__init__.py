@@ -16,7 +16,8 @@ import threading
 
 from specdec.argtypes import (  # noqa: F401
     device as device_arg,
-    LOGPROBS_MODES, MAX_TIMEOUT_S, MAX_WAIT_MS, AddressList, add_client_security_args, gamma_arg, log_level, port, positive,
+    LOGPROBS_MODES, MAX_TIMEOUT_S, MAX_WAIT_MS, AddressList, add_client_security_args, add_decode_steps_arg, gamma_arg,
+    log_level, port, positive,
 )
 from specdec.errors import SpecDecError
 
@@ -310,6 +311,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fanout", type=positive("--fanout", zero=True), default=0,
                    help="speculation cache: the drafter pre-drafts the next round for its top-F bonus candidates "
                         "while the verifier works (0 = off)")
+    add_decode_steps_arg(p)
 
 
 def _add_proposal_args(p: argparse.ArgumentParser) -> None:
@@ -390,6 +392,7 @@ def _add_gateway_parser(sub) -> None:
                     help="gamma, drafts per round, or 'auto' (adaptive per round in [0, 8]; default)")
     gw.add_argument("--fanout", type=positive("--fanout", zero=True), default=0,
                     help="speculation cache: the drafter pre-drafts the next round for its top-F bonus candidates")
+    add_decode_steps_arg(gw)
     _add_proposal_args(gw)
     gw.add_argument("--max-request-bytes", type=positive("--max-request-bytes", zero=True),
                     default=None,

@@ -42,7 +42,7 @@ def generate_command(args: argparse.Namespace, params) -> int:
         client = SpeculativeClient(args.verifier, drafter=None if args.target_only else args.drafter,
                                    num_speculative_tokens=args.num_speculative_tokens,
                                    timeout_s=args.timeout_s, recovery_timeout_s=args.recovery_timeout_s,
-                                   proposal_format=proposal_format(args),
+                                   proposal_format=proposal_format(args), decode_steps=args.decode_steps,
                                    tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
                                    auth_token=read_token(args.auth_token_file) if args.auth_token_file else None)
     except grpc.RpcError as exc:
@@ -155,7 +155,7 @@ def gateway_command(args: argparse.Namespace) -> int:
                         format="ts=%(asctime)s role=gateway level=%(levelname)s logger=%(name)s %(message)s")
     upstream = UpstreamConfig(
         verifier=args.verifier, drafter=args.drafter, num_speculative_tokens=args.num_speculative_tokens,
-        fanout=args.fanout, proposal_format=proposal_format(args),
+        fanout=args.fanout, proposal_format=proposal_format(args), decode_steps=args.decode_steps,
         timeout_s=args.timeout_s, recovery_timeout_s=args.recovery_timeout_s,
         tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key,
         auth_token=read_token(args.auth_token_file) if args.auth_token_file else None,

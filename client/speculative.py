@@ -37,6 +37,7 @@ from client.batching import VerifyBatcher
 from client.output import GenerationResult, OutputProcessor, StreamChunk
 from client.pool import Server, ServerPool, parse_addresses
 from specdec.adaptive import AdaptiveGamma, ServingCosts
+from specdec.argtypes import DEFAULT_DECODE_STEPS, MAX_DECODE_STEPS
 from specdec.errors import InvalidArgument, invalid_text
 from specdec.models import ModelSpec, load_tokenizer, tokenizer_fingerprint
 from specdec.proposals import DENSE, IDS_ONLY, ProposalFormat
@@ -140,6 +141,7 @@ class SpeculativeClient:
         recovery_timeout_s: float = 60.0,
         fanout: int = 0,
         batch_verify: bool = False,
+        decode_steps: int = DEFAULT_DECODE_STEPS,
     ) -> None:
         """verifier, drafter: HOST:PORT, or a pool of several (a sequence, or one
         comma-separated string). Each generation keeps one verifier and one drafter session,
@@ -156,7 +158,12 @@ class SpeculativeClient:
         goodput from the load the services report (specdec/adaptive.py). batch_verify: the
         rounds of this client's concurrent generations on one verifier travel together, one
         VerifyBatch call per step (client/batching.py; for clients that carry many
-        generations: the gateway, `bench`); output is the same as with unary calls."""
+        generations: the gateway, `bench`); output is the same as with unary calls.
+        decode_steps: a round that sends no drafts, after a generation's first, may run up to
+        this many target-only steps on the verifier (VerifyRequest.decode_steps) and answers
+        them at once: one call per that many tokens where nothing is speculated (target-only
+        generations, and adaptive γ while it chooses 0); 1 turns it off. Tokens are the same
+        (greedy, or seeded); they stream in groups of up to this many."""
         for name, value in (("timeout_s", timeout_s), ("recovery_timeout_s", recovery_timeout_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -165,6 +172,7 @@ class SpeculativeClient:
         self.proposal_format = proposal_format
         self.recovery_timeout_s = recovery_timeout_s
         self.fanout = _check_fanout(fanout)  # speculation cache: bonus candidates the drafter pre-drafts per round
+        self.decode_steps = _check_decode_steps(decode_steps)
         tls = TLSFiles(cert=tls_cert, key=tls_key, ca=tls_ca)
         self._channels: list[grpc.Channel] = []  # blocking, for callers' own calls (health probes, GetStats)
         self._aio_channels: list[grpc.aio.Channel] = []
@@ -651,8 +659,10 @@ class SpeculativeClient:
                 # which would skew the adaptive cost estimates.
                 steady = bool(gen.drafter.kv) and bool(gen.verifier.kv)
                 drafts, proposal, draft_s = await self._draft_round(gen, gamma)
-                response, verify_s = await self._verify_round(gen, drafts, proposal)
-                if gen.controller is not None and steady:
+                steps = self._decode_steps(gen) if not drafts else 1
+                response, verify_s = await self._verify_round(gen, drafts, proposal, steps)
+                if gen.controller is not None and steady and steps == 1:
+                    # (a round of several steps is no sample of one round's cost at γ 0)
                     gen.controller.update(len(drafts), response.num_accepted, draft_s, verify_s)
                 logprobs = (_logprobs_from_pb(response.output_token_ids, response.logprobs)
                             if gen.result.logprobs is not None else None)
@@ -766,6 +776,21 @@ class SpeculativeClient:
         await self._collect_prefill(gen, block=gamma > 0 and block)
         return gamma if link.prefill is None else 0
 
+    def _decode_steps(self, gen: "_Generation") -> int:
+        """Target-only steps for a round without drafts: 1 for a generation's first round (its
+        first token is the TTFT), while the drafter catches up in the background (drafts come
+        back soon) and for a probe that could not draft; else up to decode_steps, within
+        max_tokens (a seeded run stays a prefix of a longer one: its tokens are keyed by
+        position, whatever the rounds)."""
+        if gen.result.num_rounds == 0 or gen.drafter.prefill is not None:
+            return 1
+        if gen.gamma_max and gen.controller is None:
+            return 1  # a fixed γ sends no drafts only at the very end (max_tokens) or while catching up
+        if gen.controller is not None and gen.controller.probing:
+            return 1
+        remaining = gen.output.params.max_tokens - len(gen.result.token_ids)
+        return max(1, min(self.decode_steps, remaining))
+
     async def _draft_round(self, gen: "_Generation", gamma: int) -> tuple[list[int], pb.Proposal | None, float]:
         """(drafts, their proposal, seconds): none for γ 0 or while no drafter is reachable."""
         ts = time.perf_counter()
@@ -775,9 +800,10 @@ class SpeculativeClient:
             self.costs(gen.verifier.server.address).observe_draft(*gen.drafter.observed)
         return drafts, proposal, draft_s
 
-    async def _verify_round(self, gen: "_Generation", drafts: list[int],
-                            proposal: pb.Proposal | None) -> tuple[pb.VerifyResponse, float]:
-        """Score the drafts on the verifier: (its answer, seconds). A lost verifier session is
+    async def _verify_round(self, gen: "_Generation", drafts: list[int], proposal: pb.Proposal | None,
+                            decode_steps: int = 1) -> tuple[pb.VerifyResponse, float]:
+        """Score the drafts on the verifier (or decode up to decode_steps tokens target-only):
+        (its answer, seconds). A lost verifier session is
         re-opened on the pool and re-prefilled from `committed`, for up to recovery_timeout_s;
         the drafts stay valid, since they were proposed for `committed`, which is unchanged."""
         verifier, committed, result = gen.verifier, gen.committed, gen.result
@@ -787,7 +813,8 @@ class SpeculativeClient:
             keep = _lcp(verifier.kv, committed, len(committed) - 1)
             request = pb.VerifyRequest(session_id=verifier.session_id, truncate_to=keep,
                                        append_token_ids=committed[keep:], draft_token_ids=drafts,
-                                       sampling=gen.sampling, prompt_length=gen.prompt_length)
+                                       sampling=gen.sampling, prompt_length=gen.prompt_length,
+                                       decode_steps=decode_steps if decode_steps > 1 else 0)
             if proposal is not None:
                 request.proposal.CopyFrom(proposal)
             try:
@@ -809,7 +836,8 @@ class SpeculativeClient:
         # One engine step (no chunked prompt, no background prefill of ours competing for a
         # shared host's cores) is a sample of the verifier's step cost.
         self.costs(verifier.server.address).observe_verify(
-            load_from_pb(response.load), verify_s, fit=len(committed) - keep <= 2 and gen.drafter.prefill is None)
+            load_from_pb(response.load), verify_s,
+            fit=len(committed) - keep <= 2 and gen.drafter.prefill is None and decode_steps == 1)
         verifier.kv = committed + list(response.output_token_ids[:-1])
         _check_kv("verifier", response.kv_length, len(verifier.kv))
         result.verify_time_s += verify_s
@@ -1341,6 +1369,12 @@ async def _adrain(items: asyncio.Queue) -> None:
 def _check_gamma(value: int | str) -> int | str:
     if value != AUTO and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
         raise ValueError(f"num_speculative_tokens must be an integer >= 0 or {AUTO!r}, got {value!r}")
+    return value
+
+
+def _check_decode_steps(value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DECODE_STEPS:
+        raise ValueError(f"decode_steps must be an integer in [1, {MAX_DECODE_STEPS}], got {value!r}")
     return value
 
 

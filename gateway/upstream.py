@@ -39,6 +39,7 @@ from client.output import TokenBytes
 from client.pool import parse_addresses
 from client.speculative import ClientClosed, IncompatibleModels, SpeculativeClient, StreamChunk
 from gateway.protocol import APIError
+from specdec.argtypes import DEFAULT_DECODE_STEPS
 from specdec.errors import InvalidArgument
 from specdec.proposals import ProposalFormat
 from specdec.sampling import SamplingParams
@@ -56,6 +57,7 @@ class UpstreamConfig:
     drafter: str | None = None
     num_speculative_tokens: int | str = "auto"
     fanout: int = 0
+    decode_steps: int = DEFAULT_DECODE_STEPS  # target-only steps a round without drafts may run
     proposal_format: ProposalFormat | None = None  # the client's default (ids when greedy, else dense float32)
     timeout_s: float = 60.0
     recovery_timeout_s: float = 10.0
@@ -458,5 +460,5 @@ def _make_client(config: UpstreamConfig) -> SpeculativeClient:
                              num_speculative_tokens=config.num_speculative_tokens, tls_ca=config.tls_ca,
                              tls_cert=config.tls_cert, tls_key=config.tls_key, auth_token=config.auth_token,
                              recovery_timeout_s=config.recovery_timeout_s, fanout=config.fanout,
-                             proposal_format=config.proposal_format,
+                             proposal_format=config.proposal_format, decode_steps=config.decode_steps,
                              batch_verify=True)  # one VerifyBatch per step for all its generations

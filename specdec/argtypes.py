@@ -11,6 +11,9 @@ LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")  # vLLM's --logprobs-mod
 # A verify round's target-only decode steps (VerifyRequest.decode_steps): the row holds its session
 # for that many steps, and its caller's deadline must cover them.
 MAX_DECODE_STEPS = 64
+# A client's default (SpeculativeClient's decode_steps): docs/benchmarks.md, "Target-only rounds
+# of several steps".
+DEFAULT_DECODE_STEPS = 4
 MAX_TIMEOUT_S = 86_400.0  # a day: gRPC deadlines past this (inf) failed every call DEADLINE_EXCEEDED
 
 
@@ -136,6 +139,15 @@ def gamma_arg(text: str) -> int | str:
     if text == "auto":
         return text
     return positive("--num-speculative-tokens", zero=True)(text)
+
+
+def add_decode_steps_arg(p: argparse.ArgumentParser) -> None:
+    """A client's --decode-steps (generate, gateway, bench)."""
+    p.add_argument("--decode-steps", type=positive("--decode-steps", maximum=MAX_DECODE_STEPS),
+                   default=DEFAULT_DECODE_STEPS,
+                   help="a round without drafts (target-only, or adaptive gamma choosing 0) may decode up to N "
+                        "tokens on the verifier in one call, answered together: one call per N tokens instead "
+                        "of one per token (1 = off; default %(default)s)")
 
 
 def add_client_security_args(p: argparse.ArgumentParser, auth: bool = True) -> None:

@@ -54,6 +54,34 @@ def test_greedy_speculative_equals_target_only_and_transformers_generate(client,
         assert spec.num_draft_tokens > 0 and spec.num_rounds < len(spec.token_ids)
 
 
+def test_target_only_rounds_of_several_decode_steps_give_the_tokens_of_single_steps(client, verifier_proc):
+    """decode_steps (the default client's 4, and 7) against a call per token: the same tokens,
+    logprobs and stop, greedy and seeded with penalties, in fewer rounds; a stop string inside
+    a round's tokens ends the text there; streaming yields a chunk per round."""
+    from client.speculative import SpeculativeClient
+
+    with SpeculativeClient(verifier_proc.address, decode_steps=1) as single, \
+            SpeculativeClient(verifier_proc.address, decode_steps=7) as seven:
+        for params in (SamplingParams(temperature=0.0, max_tokens=20, logprobs=1),
+                       SamplingParams(temperature=1.0, max_tokens=20, seed=11, presence_penalty=0.5,
+                                      repetition_penalty=1.2, logprobs=1)):
+            one = single.generate(PROMPTS[2], params, target_only=True)
+            assert one.num_rounds == 20
+            for other, rounds in ((client, 1 + 5), (seven, 1 + 3)):  # the first round: one step (TTFT)
+                got = other.generate(PROMPTS[2], params, target_only=True)
+                assert got.token_ids == one.token_ids and got.num_rounds == rounds, params
+                assert [e["logprob"] for e in got.logprobs] == pytest.approx([e["logprob"] for e in one.logprobs],
+                                                                             abs=1e-4)
+        greedy = SamplingParams(temperature=0.0, max_tokens=20)
+        text = single.generate(PROMPTS[2], greedy, target_only=True).text
+        stop = text[len(text) // 2:len(text) // 2 + 3]
+        want = single.generate(PROMPTS[2], greedy.replace(stop=[stop]), target_only=True)
+        got = seven.generate(PROMPTS[2], greedy.replace(stop=[stop]), target_only=True)
+        assert got.finish_reason == want.finish_reason == "stop" and got.text == want.text
+        chunks = list(seven.stream(PROMPTS[2], greedy, target_only=True))
+        assert [len(c.token_ids) for c in chunks] == [1, 7, 7, 5]
+
+
 def test_streaming_yields_the_same_tokens_round_by_round(client):
     params = SamplingParams(temperature=0.0, max_tokens=16)
     chunks = list(client.stream(PROMPTS[0], params, num_speculative_tokens=3))
