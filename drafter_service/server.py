@@ -24,6 +24,7 @@ class DrafterServicer(SessionMethods, pb_grpc.DrafterServicer):
 
     @rpc_method
     def Draft(self, request, context):
+        self.engine.check_sizes(request.truncate_to, len(request.append_token_ids), request.num_draft_tokens)
         params = sampling_from_pb(request.sampling)
         out = self.engine.draft(
             request.session_id,

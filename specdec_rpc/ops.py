@@ -382,7 +382,7 @@ class ObservingInterceptor(grpc.ServerInterceptor):
             finally:
                 elapsed = time.perf_counter() - t0
                 latency.observe(elapsed)
-                if drafts is not None and not isinstance(request, _Undecodable):
+                if drafts is not None and code == grpc.StatusCode.OK:  # a refused γ (-2^31) is no speculation
                     drafts.observe(request.num_draft_tokens if name == "Draft" else len(request.draft_token_ids))
                 self._observe(service, name, code, elapsed, request, reply, context)
                 with self._idle:

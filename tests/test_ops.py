@@ -115,6 +115,38 @@ def test_metrics_count_a_generation_and_its_errors(services):
     assert d["grpc_server_handled_total{grpc_code=OK,grpc_method=Draft,grpc_service=specdec.v1.Drafter}"] >= 1
 
 
+def test_refused_calls_leave_the_draft_histograms_alone_and_oversized_ones_are_refused_by_length(services):
+    """A refused Draft's γ (-2^31) fed the speculation histogram a falling sum (a counter reset
+    to Prometheus); an append of millions of ids is refused OUT_OF_RANGE from its length,
+    before its ids are copied or checked one by one (they are invalid here, which the
+    per-id check would have named first)."""
+    (verifier, v_port), (drafter, d_port) = services["verifier"], services["drafter"]
+    with grpc.insecure_channel(drafter.address) as dch, grpc.insecure_channel(verifier.address) as vch:
+        d_stub, v_stub = pb_grpc.DrafterStub(dch), pb_grpc.VerifierStub(vch)
+        d = d_stub.OpenSession(pb.OpenSessionRequest()).session_id
+        v = v_stub.OpenSession(pb.OpenSessionRequest()).session_id
+        key = "specdec_draft_tokens_per_call_{}{{grpc_method={}}}"
+        before = _scrape(d_port), _scrape(v_port)
+        for gamma in (-2**31, 2**31 - 1):
+            with pytest.raises(grpc.RpcError) as err:
+                d_stub.Draft(pb.DraftRequest(session_id=d, append_token_ids=[1], num_draft_tokens=gamma), timeout=30)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "num_draft_tokens" in err.value.details()
+        huge = [-1] * 3_000_000
+        for call in (lambda: d_stub.Draft(pb.DraftRequest(session_id=d, append_token_ids=huge, num_draft_tokens=2),
+                                          timeout=60),
+                     lambda: v_stub.Verify(pb.VerifyRequest(session_id=v, append_token_ids=huge, draft_token_ids=[1]),
+                                           timeout=60)):
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE and "maximum context" in err.value.details()
+        after = _scrape(d_port), _scrape(v_port)
+        for (b, a), method in zip(zip(before, after), ("Draft", "Verify")):
+            for part in ("sum", "count"):
+                assert a.get(key.format(part, method), 0) == b.get(key.format(part, method), 0), (method, part)
+        d_stub.CloseSession(pb.CloseSessionRequest(session_id=d))
+        v_stub.CloseSession(pb.CloseSessionRequest(session_id=v))
+
+
 def test_the_services_freeze_their_start_up_heap_and_time_every_collection(services):
     """A CLI service moves the heap its start left (torch, transformers, grpc, the model: ~400k
     objects) into the permanent generation once it is loaded: a full collection then walks only

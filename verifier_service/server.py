@@ -36,14 +36,15 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
     @rpc_method
     def Verify(self, request, context):
         # someone else's session is NOT_FOUND
-        return _response(self.engine.verify_call(_call(request, caller_owner(context)), context.is_active))
+        return _response(self.engine.verify_call(_call(self.engine, request, caller_owner(context)), context.is_active))
 
     @rpc_method
     def VerifyBatch(self, request, context):
         # someone else's session is NOT_FOUND, per entry
         if len(request.requests) > (cap := self._max_entries()):
             raise InvalidArgument("requests", _too_many(len(request.requests), cap))
-        return _batch_response(self.engine.verify_batch(_calls(request, caller_owner(context)), context.is_active))
+        return _batch_response(self.engine.verify_batch(_calls(self.engine, request, caller_owner(context)),
+                                                        context.is_active))
 
     def VerifyStream(self, request_iterator, context):
         """One long-lived stream per client: each message is begun on the engine by a reader
@@ -92,7 +93,8 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
                         if state["closed"]:
                             return
                         state["in_flight"] += entries
-                        begun = (message.tag, self.engine.begin_batch(_calls(message, owner), context.is_active),
+                        begun = (message.tag,
+                                 self.engine.begin_batch(_calls(self.engine, message, owner), context.is_active),
                                  entries)
                         state["open"][id(begun)] = begun
                     _when_settled(begun[1].futures, lambda begun=begun: settled.put(begun))
@@ -167,11 +169,11 @@ def _too_many(entries: int, cap: int) -> str:
             f"{STREAM_SLACK_ENTRIES}): split the step")
 
 
-def _calls(request: pb.VerifyBatchRequest, owner: str | None) -> list[VerifyCall | Exception]:
+def _calls(engine: VerifierEngine, request: pb.VerifyBatchRequest, owner: str | None) -> list[VerifyCall | Exception]:
     calls: list[VerifyCall | Exception] = []
     for r in request.requests:
         try:
-            calls.append(_call(r, owner))
+            calls.append(_call(engine, r, owner))
         except (SpecDecError, ValueError) as exc:  # a malformed entry fails alone
             calls.append(exc)
     return calls
@@ -188,7 +190,9 @@ def _batch_response(outs: list[VerifyOut | Exception]) -> pb.VerifyBatchResponse
     return pb.VerifyBatchResponse(results=results)
 
 
-def _call(request: pb.VerifyRequest, owner: str | None) -> VerifyCall:
+def _call(engine: VerifierEngine, request: pb.VerifyRequest, owner: str | None) -> VerifyCall:
+    engine.check_sizes(request.truncate_to, len(request.append_token_ids), len(request.draft_token_ids),
+                       draft_field="draft_token_ids")  # before the ids are copied
     return VerifyCall(request.session_id, request.truncate_to, list(request.append_token_ids),
                       list(request.draft_token_ids), proposal_from_pb(request.proposal, request.HasField("proposal")),
                       sampling_from_pb(request.sampling), request.prompt_length, owner, request.decode_steps)
