@@ -150,7 +150,7 @@ class OutputProcessor:
             text = self._decode(result.token_ids[:-1])
         else:
             text = self._decode(result.token_ids)
-        stops = params.stop if len(result.token_ids) >= params.min_tokens else ()
+        stops = params.stop if len(result.token_ids) > params.min_tokens else ()
         found = find_stop(text, stops, self._stop_search_start()) if stops else None
         if found is not None:
             text, (cut, stop) = self._end_at_stop(new, text, found)
@@ -174,11 +174,12 @@ class OutputProcessor:
 
     def _stop_search_start(self) -> int:
         """Where stop strings may end from (exclusive): after the text already streamed, and
-        after the text of the tokens before the min_tokens-th one, so a stop string counts when
-        a token at or past min_tokens completes it, however many tokens each round brought."""
+        after the text of the first min_tokens tokens, so a stop string counts when a token
+        past the min_tokens-th completes it (vLLM V1's detokenizer, vllm#22014), however many
+        tokens each round brought."""
         if self._stop_floor is None:
-            floor_ids = self.result.token_ids[:max(0, self.params.min_tokens - 1)]
-            # Without the U+FFFD of a character those tokens end inside: a token at or past
+            floor_ids = self.result.token_ids[:self.params.min_tokens]
+            # Without the U+FFFD of a character those tokens end inside: a token past
             # min_tokens completes that character, so a stop string may end with it.
             floor_text = self.tokenizer.decode(floor_ids, skip_special_tokens=True) if floor_ids else ""
             self._stop_floor = len(floor_text.rstrip("\ufffd"))
@@ -191,7 +192,7 @@ class OutputProcessor:
         text of the tokens kept, and where the stop string starts in it and which one it is."""
         result, params = self.result, self.params
         base = len(result.token_ids) - len(new)
-        for keep in range(max(1, params.min_tokens - base), len(new)):
+        for keep in range(max(1, params.min_tokens + 1 - base), len(new)):
             head = self.tokenizer.decode(result.token_ids[:base + keep], skip_special_tokens=True)
             if (at := find_stop(head, params.stop, self._stop_search_start())) is not None:
                 del new[keep:], result.token_ids[base + keep:], result.token_times_s[base + keep:]

@@ -58,7 +58,7 @@ def test_a_stop_string_ends_at_the_token_that_completes_it_whatever_the_round_si
     """Token ids, their logprobs and the text do not depend on how many tokens a round
     verified: a round of 9 ends where rounds of one token each end (the tokens after the one
     that completes the stop string are dropped). With min_tokens, a stop string counts when a
-    token at or past the min_tokens-th completes it, in rounds of any size."""
+    token past the min_tokens-th completes it (vLLM V1), in rounds of any size."""
     ids = _ids(tokenizer, " 6, 7, 8, 9, 10, 11, 12")
     runs = []
     for size in (1, 2, 3, 9, len(ids)):
@@ -83,9 +83,24 @@ def test_a_stop_string_ends_at_the_token_that_completes_it_whatever_the_round_si
     kept = len(runs[0][0])
     assert kept < len(ids) and runs[0][2] == kept
     if min_tokens:
-        assert kept >= min_tokens
+        assert kept > min_tokens
     else:
         assert runs[0][3] not in runs[0][1]  # the first occurrence stopped it
+
+
+def test_a_stop_string_ending_in_the_min_tokens_th_token_does_not_count(tokenizer):
+    """vLLM V1 (vllm#22014): stop strings are searched only in the text of tokens after the
+    first min_tokens; one that the min_tokens-th token completes does not end the generation,
+    one that the next completes does, whatever the rounds."""
+    ids = _ids(tokenizer, " 6, 7, 8, 9, 10, 11, 12")
+    k = ids.index(_ids(tokenizer, " 6, 7, 8")[-1]) + 1  # " 8" is token k
+    for size in (1, 3, len(ids)):
+        kept = _processor(tokenizer, max_tokens=len(ids), stop=[" 8"], min_tokens=k)
+        _rounds(kept, [ids[i:i + size] for i in range(0, len(ids), size)])
+        assert kept.result.finish_reason == "length" and kept.result.token_ids == ids, size
+        ended = _processor(tokenizer, max_tokens=len(ids), stop=[" 8"], min_tokens=k - 1)
+        _rounds(ended, [ids[i:i + size] for i in range(0, len(ids), size)])
+        assert ended.result.finish_reason == "stop" and ended.result.token_ids == ids[:k], size
 
 
 def test_max_tokens_drops_the_rest_of_a_round(tokenizer):
@@ -126,14 +141,14 @@ def test_a_stop_token_id_ends_the_generation_without_its_text_unless_asked(token
         assert out.result.text == text == "".join(c.text for c in chunks)
 
 
-def test_a_stop_string_completed_at_min_tokens_counts_inside_a_multibyte_character(tokenizer):
-    """The first min_tokens - 1 tokens end inside an emoji: the floor a stop string must end
-    past was the length of their text *with* U+FFFD for the partial bytes, which put it past
-    the emoji that token min_tokens completes, so that stop was skipped."""
+def test_a_stop_string_completed_past_min_tokens_counts_inside_a_multibyte_character(tokenizer):
+    """The first min_tokens tokens end inside an emoji: the floor a stop string must end past
+    was the length of their text *with* U+FFFD for the partial bytes, which put it past the
+    emoji that token min_tokens + 1 completes, so that stop was skipped."""
     ids = _ids(tokenizer, "🍕🍕🍕🍕")
     per = len(_ids(tokenizer, "🍕"))
     assert per > 1 and len(ids) == 4 * per  # several byte tokens per emoji
-    for min_tokens in range(per + 1, 2 * per + 1):  # the second emoji is completed by token 2·per
+    for min_tokens in range(per, 2 * per):  # the second emoji is completed by token 2·per
         out = _processor(tokenizer, max_tokens=50, stop=["🍕"], min_tokens=min_tokens, include_stop_str_in_output=True)
         _rounds(out, [[i] for i in ids])
         assert out.result.text == "🍕🍕" and len(out.result.token_ids) == 2 * per, min_tokens
@@ -146,7 +161,7 @@ def test_the_stop_string_reported_is_the_one_that_ended_the_generation(tokenizer
     first = len(_ids(tokenizer, " The"))
     for stops in ([" The", " The answer"], [" The answer", " The"]):
         for include in (False, True):
-            out = _processor(tokenizer, max_tokens=50, stop=stops, min_tokens=first + 1,
+            out = _processor(tokenizer, max_tokens=50, stop=stops, min_tokens=first,
                              include_stop_str_in_output=include)
             _rounds(out, [[i] for i in ids])
             assert out.result.stop_reason == " The answer", stops
