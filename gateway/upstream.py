@@ -332,10 +332,12 @@ class Upstream:
             detail: dict = {}
             for name, pending in calls.items():
                 detail[name] = {}
-                for address, call in pending:
+                for server, (address, call) in zip(pools[name].servers, pending):
                     try:
                         call.result()
-                        detail[name][address] = "up"
+                        # A member left out of its pool (it came back serving another model) answers,
+                        # but no generation goes to it: it is no capacity.
+                        detail[name][address] = "up" if server.disabled is None else "left out"
                     except grpc.RpcError as exc:
                         detail[name][address] = exc.code().name
             return detail

@@ -555,6 +555,30 @@ def test_unreachable_upstream_is_503_on_health_and_api():
         assert httpx.get(f"{url}/health").status_code == 503  # still serving
 
 
+def test_health_counts_no_verifier_left_out_of_its_pool(verifier_proc):
+    """A pool member that came back serving another model is left out for good: it answers
+    GetModelInfo, but no generation goes to it, so /health must not call the gateway up on it
+    (it answered 200 "ok" while every request got 503)."""
+    from gateway.upstream import Upstream, UpstreamConfig
+    from tests.conftest import free_port
+
+    async def run() -> None:
+        up = Upstream(UpstreamConfig(verifier=f"{verifier_proc.address},127.0.0.1:{free_port()}"))
+        await up.connect_forever()
+        try:
+            ok, detail = await up.health()
+            assert ok and detail["status"] == "ok" and detail["verifiers"][verifier_proc.address] == "up"
+            live = next(s for s in up.client.verifiers.servers if s.address == verifier_proc.address)
+            up.client.verifiers.disable(live, "serves another model")
+            ok, detail = await up.health()
+            assert not ok and detail["status"] == "unavailable"
+            assert detail["verifiers"][verifier_proc.address] == "left out"
+        finally:
+            await asyncio.to_thread(up.client.close)
+
+    asyncio.run(run())
+
+
 @pytest.mark.slow
 def test_a_taken_port_and_unusable_tls_files_are_one_line_errors(tmp_path):
     def gateway(*args: str) -> subprocess.CompletedProcess:
