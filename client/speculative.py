@@ -1074,8 +1074,15 @@ class SpeculativeClient:
         # Drafts are optional: a drafter that is down is only ever retried in the background, the
         # rounds going on target-only meanwhile; a verifier in the path only when none is up.
         drafts = pool is self.drafters
-        for server in pool.claim_due(always=drafts):
-            self._held(self._reprobe(pool, server, check))
+        if patient:
+            # The last try: every down server at once, each call waiting for its channel's next
+            # reconnect. One after another, a pool of a killed verifier and three dead addresses
+            # failed after 14 s against a recovery_timeout_s of 2.
+            await asyncio.gather(*(self._reprobe(pool, server, check, patient=True)
+                                   for server in pool.claim_due(always=True)))
+        else:
+            for server in pool.claim_due(always=drafts):
+                self._held(self._reprobe(pool, server, check))
         while (server := pool.pick(exclude=tried, retry_down=not drafts)) is not None:
             tried.append(server)
             info = server.info
@@ -1133,12 +1140,15 @@ class SpeculativeClient:
             break
         return errors
 
-    async def _reprobe(self, pool: ServerPool, server: Server, check) -> ModelInfo | None:
+    async def _reprobe(self, pool: ServerPool, server: Server, check, patient: bool = False) -> ModelInfo | None:
         """A down server's retry, off every generation's path: its model, checked; None while it
-        is still down (or no longer fits, and is left out)."""
+        is still down (or no longer fits, and is left out). `patient` (a caller's last try): the
+        call waits for its channel's next reconnect attempt instead of failing in its backoff."""
+        short = min(self.timeout_s, 5.0)
         try:
-            info = model_info_from_pb(await server.astub.GetModelInfo(pb.ModelInfoRequest(),
-                                                                      timeout=min(self.timeout_s, 5.0)))
+            info = model_info_from_pb(await server.astub.GetModelInfo(
+                pb.ModelInfoRequest(), timeout=min(short, RECONNECT_BACKOFF_MAX_S + 1.0) if patient else short,
+                wait_for_ready=patient or None))
             check(info)
         except IncompatibleModels as exc:
             pool.disable(server, str(exc))

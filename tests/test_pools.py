@@ -417,6 +417,29 @@ def test_a_pool_whose_every_verifier_is_gone_fails_the_generation_with_no_server
         doomed.kill()
 
 
+def test_the_last_try_asks_every_down_verifier_at_once():
+    """At the recovery deadline the last try waits for each down verifier's channel to
+    reconnect (up to RECONNECT_BACKOFF_MAX_S + 1 = 3 s). It asked them one after another: a pool
+    of a killed verifier and three dead addresses failed after 14 s against a recovery_timeout_s
+    of 2 (2 + 4 x 3). Asked at once, the pool costs one wait."""
+    doomed = start_service("verifier", ARGS, threads=1)
+    dead = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    try:
+        with SpeculativeClient([doomed.address, *dead], recovery_timeout_s=2.0) as client:
+            stream = client.stream(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True),
+                                   target_only=True)
+            next(stream)
+            doomed.kill()
+            start = time.monotonic()
+            with pytest.raises(NoServerAvailable, match="answered within 2 s"):
+                for _ in stream:
+                    pass
+            elapsed = time.monotonic() - start
+    finally:
+        doomed.kill()
+    assert elapsed < 2.0 + 2 * 3.0, elapsed  # one 3 s wait, with room for a loaded host; not four
+
+
 def test_a_client_whose_every_verifier_is_down_at_start_raises_no_server_available():
     """Construction against a pool of which no verifier answers raises the same NoServerAvailable
     (a ConnectionError) as a generation whose verifiers are gone, naming every address and the
