@@ -53,7 +53,11 @@ CLIENT_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
+    # gRPC core reads this as MIN_CONNECT_TIMEOUT (connection-backoff.md): the least time a
+    # connection attempt gets for TCP, TLS and the HTTP/2 SETTINGS exchange. At 200 ms no
+    # verifier 0.1 s away (one way) could be reached at all; 2 s covers a cross-region link,
+    # and a frozen server's attempt still fails within the reconnect backoff's 2 s.
+    ("grpc.min_reconnect_backoff_ms", int(RECONNECT_BACKOFF_MAX_S * 1000)),
     ("grpc.max_reconnect_backoff_ms", int(RECONNECT_BACKOFF_MAX_S * 1000)),
 ]
 # The server must accept those pings (by default it answers pings more often than every

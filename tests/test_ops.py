@@ -9,7 +9,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from typing import Callable
 import urllib.request
 
 import grpc
@@ -145,6 +147,68 @@ def test_refused_calls_leave_the_draft_histograms_alone_and_oversized_ones_are_r
                 assert a.get(key.format(part, method), 0) == b.get(key.format(part, method), 0), (method, part)
         d_stub.CloseSession(pb.CloseSessionRequest(session_id=d))
         v_stub.CloseSession(pb.CloseSessionRequest(session_id=v))
+
+
+def _delaying_proxy(target: str, delay_s: float) -> tuple[str, Callable[[], None]]:
+    """A TCP proxy on loopback that holds every chunk `delay_s` before passing it on, each way
+    (a far-away server): its address and a stop function."""
+    import asyncio
+
+    host, port = target.rsplit(":", 1)
+    loop = asyncio.new_event_loop()
+
+    async def pump(reader, writer) -> None:
+        try:
+            while data := await reader.read(65536):
+                await asyncio.sleep(delay_s)
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    async def handle(client_reader, client_writer) -> None:
+        server_reader, server_writer = await asyncio.open_connection(host, int(port))
+        await asyncio.gather(pump(client_reader, server_writer), pump(server_reader, client_writer))
+
+    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def shut() -> None:
+        server.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        loop.stop()
+
+    def stop() -> None:
+        asyncio.run_coroutine_threadsafe(shut(), loop)
+        thread.join(timeout=5)
+
+    return f"127.0.0.1:{server.sockets[0].getsockname()[1]}", stop
+
+
+def test_a_server_a_quarter_second_away_is_reached_on_the_first_connection_attempt(services):
+    """gRPC core takes grpc.min_reconnect_backoff_ms as the least time a connection attempt
+    gets (MIN_CONNECT_TIMEOUT): at 200 ms, a server 0.1 s away one way failed every call that
+    did not wait for ready ("connection attempt timed out before receiving SETTINGS frame"), so
+    `specdec health` and a client's start could not reach it whatever their timeouts."""
+    from specdec_rpc.ops import open_channel
+
+    verifier, _ = services["verifier"]
+    address, stop = _delaying_proxy(verifier.address, 0.25)
+    try:
+        with open_channel(address) as channel:
+            info = pb_grpc.VerifierStub(channel).GetModelInfo(pb.ModelInfoRequest(), timeout=10)  # no wait_for_ready
+        assert info.vocab_size > 0
+        health = subprocess.run([sys.executable, "-m", "cli", "health", "--address", address],
+                                capture_output=True, text=True, timeout=60)
+        assert health.returncode == 0, health.stderr
+    finally:
+        stop()
 
 
 def test_the_services_freeze_their_start_up_heap_and_time_every_collection(services):
