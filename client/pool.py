@@ -24,6 +24,9 @@ from typing import Callable, Collection, Generic, Sequence, TypeVar
 from specdec.argtypes import check_port
 
 BACKOFF_MIN_S, BACKOFF_MAX_S = 0.25, 4.0
+# A server left out (it served another model) is asked again this often: a redeploy of the
+# right model brings it back into a long-lived client (the gateway) without a restart.
+RECHECK_LEFT_OUT_S = 30.0
 _ROOM_POLL_S = 0.02  # how often a generation queued for a full pool looks again
 
 StubT = TypeVar("StubT")
@@ -64,7 +67,8 @@ class Server(Generic[StubT]):
     retry_at: float = 0.0  # clock() time of the next try while down
     probing: bool = False  # down, and one session was given it as the retry
     backoff_s: float = BACKOFF_MIN_S
-    disabled: str | None = None  # why it is never picked again (it no longer fits the pool)
+    disabled: str | None = None  # why it is left out (it no longer fits the pool); re-checked at recheck_at
+    recheck_at: float = 0.0  # clock() time of the next check of a left-out server's model
 
 
 class ServerPool(Generic[StubT]):
@@ -119,7 +123,8 @@ class ServerPool(Generic[StubT]):
 
     def claim_due(self, always: bool = False) -> list[Server[StubT]]:
         """Down servers due for a retry, each claimed for one probe off the generations' path
-        (report it with `succeeded` or `failed`): while another server is up, or `always`."""
+        (report it with `succeeded` or `failed`): while another server is up, or `always`; and
+        the left-out servers due for a check of their model (`succeeded` takes one back)."""
         with self._lock:
             if not always and not any(s.disabled is None and not s.down for s in self.servers):
                 return []
@@ -127,7 +132,10 @@ class ServerPool(Generic[StubT]):
             due = [s for s in self.servers if s.disabled is None and s.down and not s.probing and now >= s.retry_at]
             for s in due:
                 s.retry_at, s.probing = now + s.backoff_s, True
-            return due
+            left_out = [s for s in self.servers if s.disabled is not None and now >= s.recheck_at]
+            for s in left_out:
+                s.recheck_at = now + RECHECK_LEFT_OUT_S
+            return due + left_out
 
     def release(self, server: Server[StubT]) -> None:
         """A session picked on `server` ended (closed, lost, or never opened)."""
@@ -151,14 +159,16 @@ class ServerPool(Generic[StubT]):
     def succeeded(self, server: Server[StubT], info: object) -> None:
         """`server` answered (and its `info` passed the checks): it is up again."""
         with self._lock:
-            server.info, server.down, server.probing = info, False, False
+            server.info, server.down, server.probing, server.disabled = info, False, False, None
             server.retry_at, server.backoff_s = 0.0, BACKOFF_MIN_S
             server.capacity = getattr(info, "max_sessions", 0)
 
     def disable(self, server: Server[StubT], reason: str) -> None:
-        """Never pick `server` again (e.g. it came back serving another model)."""
+        """Leave `server` out (e.g. it came back serving another model): never picked, its model
+        checked again every RECHECK_LEFT_OUT_S by `claim_due`'s callers."""
         with self._lock:
             server.disabled, server.info = reason, None
+            server.recheck_at = self._clock() + RECHECK_LEFT_OUT_S
 
     def retry_by(self, when: float) -> None:
         """Make every down server due for a retry by `when` (clock time) at the latest: a

@@ -248,6 +248,26 @@ def test_a_disabled_server_is_never_picked_and_an_all_disabled_pool_says_so():
     assert pool.pick() is None and pool.wait_s() is None
 
 
+def test_a_left_out_server_is_checked_again_and_taken_back_once_it_fits():
+    """A redeploy of the right model brings a left-out server back to a long-lived client (the
+    gateway dropped a drafter for good after one bad redeploy, and sent no drafts after the fix)."""
+    from client.pool import RECHECK_LEFT_OUT_S
+
+    clock = FakeClock()
+    pool = _pool(2, clock)
+    left = pool.servers[0]
+    pool.disable(left, "serves another model")
+    assert pool.claim_due(always=True) == []  # not due yet
+    clock.now += RECHECK_LEFT_OUT_S
+    assert pool.claim_due(always=True) == [left] and pool.claim_due(always=True) == []  # one check at a time
+    pool.disable(left, "still another model")  # the check found it still does not fit
+    assert pool.pick(exclude=[pool.servers[1]]) is None
+    clock.now += RECHECK_LEFT_OUT_S
+    assert pool.claim_due(always=True) == [left]
+    pool.succeeded(left, object())  # it fits again
+    assert left.disabled is None and pool.pick(exclude=[pool.servers[1]]) is left
+
+
 def test_verifiers_of_one_pool_must_serve_the_same_target():
     info = ModelInfo(role="verifier", model="m", vocab_size=10, eos_token_ids=(0,), max_context=64,
                      tokenizer_fingerprint="f" * 64, tokenizer_source="m", dtype="float32", device="cpu",
