@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import time
 
@@ -31,10 +32,8 @@ def run_demo(args: argparse.Namespace) -> int:
     try:
         try:  # both at once: their imports and model loads overlap
             services.extend(start_services([("drafter", drafter_args), ("verifier", shlex.split(args.verifier_args))]))
-        except ServiceStartError as exc:  # the service's own error line, not a traceback
-            errors = [line for line in exc.output if "error:" in line]
-            last = errors[-1] if errors else (exc.output[-1] if exc.output else "no output")
-            raise SpecDecError(f"the {exc.role} did not start: {last}") from None
+        except ServiceStartError as exc:
+            raise _start_error(exc) from None
         drafter, verifier = (s.address for s in services)
         print(f"drafter at {drafter}, verifier at {verifier}", flush=True)
         with SpeculativeClient(verifier, drafter=drafter, num_speculative_tokens=gamma) as client:
@@ -60,29 +59,55 @@ def run_demo(args: argparse.Namespace) -> int:
             base_tps = totals["target"][0] / totals["target"][1]
             print(f"overall: acceptance {accepted / max(proposed, 1):.3f}; speculative {spec_tps:.1f} tok/s, "
                   f"target-only {base_tps:.1f} tok/s, speedup {spec_tps / base_tps:.2f}x")
-        services.append(start_gateway(verifier, drafter,
-                                      ["--num-speculative-tokens", str(gamma), *shlex.split(args.gateway_args)]))
-        _show_gateway(services[-1], args.keep_running)
+        gateway_args = shlex.split(args.gateway_args)
+        try:
+            services.append(start_gateway(verifier, drafter, ["--num-speculative-tokens", str(gamma), *gateway_args]))
+        except ServiceStartError as exc:
+            raise _start_error(exc) from None
+        _show_gateway(services[-1], args.keep_running, _api_key(gateway_args))
     finally:
         for s in reversed(services):
             s.stop()
     return 0
 
 
-def _show_gateway(gateway: ServiceProcess, keep_running: bool) -> None:
+def _start_error(exc: ServiceStartError) -> SpecDecError:
+    """The service's own error line, not a traceback."""
+    errors = [line for line in exc.output if "error:" in line]
+    last = errors[-1] if errors else (exc.output[-1] if exc.output else "no output")
+    return SpecDecError(f"the {exc.role} did not start: {last}")
+
+
+def _api_key(gateway_args: list[str]) -> str | None:
+    """The gateway's --api-key among --gateway-args (else $SPECDEC_GATEWAY_API_KEY), to call it with."""
+    for i, arg in enumerate(gateway_args):
+        if arg == "--api-key" and i + 1 < len(gateway_args):
+            return gateway_args[i + 1]
+        if arg.startswith("--api-key="):
+            return arg.split("=", 1)[1]
+    return os.environ.get("SPECDEC_GATEWAY_API_KEY") or None
+
+
+def _show_gateway(gateway: ServiceProcess, keep_running: bool, api_key: str | None = None) -> None:
     """Print a curl command for the gateway, and what the gateway answers to it."""
     import httpx
 
     url = f"http://{gateway.address}/v1/chat/completions"
     body = {"messages": [{"role": "user", "content": "Why is the sky blue? One sentence."}], "max_tokens": 48,
             "temperature": 0}
-    print(f"\nOpenAI-compatible gateway at http://{gateway.address}/v1 (specdec gateway); try:\n"
-          f"  curl -s {url} -H 'Content-Type: application/json' -d {shlex.quote(json.dumps(body))}\n"
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    print(f"\nOpenAI-compatible gateway at http://{gateway.address}/v1 (specdec gateway); "
+          f"{'try' if keep_running else 'with --keep-running it stays up to try'}:\n"
+          f"  curl -s {url} -H 'Content-Type: application/json'{auth} -d {shlex.quote(json.dumps(body))}\n"
           f"  (add \"stream\": true for server-sent events)", flush=True)
-    reply = httpx.post(url, json=body, timeout=300).json()
+    reply = httpx.post(url, json=body, timeout=300, headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
+    if reply.status_code != 200:
+        raise SpecDecError(f"the gateway answered {reply.status_code}: {reply.text[:300]}")
+    reply = reply.json()
     print(f"it answers: {reply['choices'][0]['message']['content'].strip()!r}\n"
           f"  usage {reply['usage']}, speculative {json.dumps(reply['speculative'])}", flush=True)
     if keep_running:
         print("services and gateway keep running; Ctrl-C stops them", flush=True)
         while True:
             time.sleep(3600)
+    print("the demo stops the services and the gateway now (--keep-running keeps them up)", flush=True)

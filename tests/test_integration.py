@@ -9,6 +9,7 @@ import concurrent.futures
 import json
 import re
 import subprocess
+import socket
 import sys
 import time
 
@@ -318,13 +319,13 @@ def test_the_readmes_demo_runs_both_services_and_the_gateway_and_stops_them():
     """`specdec demo` (the README's first command), shortened: both services start, speculative
     output equals target-only, the gateway answers on the port --gateway-args names, and every
     process is gone after it exits."""
-    import socket
-
     port = free_port()  # for the gateway
-    run = _cli("demo", "--prompt", "Name a colour.", "--max-tokens", "8", "--gateway-args", f"--port {port}",
-               timeout=600)
+    run = _cli("demo", "--prompt", "Name a colour.", "--max-tokens", "8", "--gateway-args",
+               f"--port {port} --api-key sk-demo", timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "identical to target-only" in run.stdout and "speedup" in run.stdout and "it answers: '" in run.stdout
+    # the gateway's key is the demo's too (it read a 401 as an answer), and its curl line says how to keep it up
+    assert "-H 'Authorization: Bearer sk-demo'" in run.stdout and "--keep-running" in run.stdout
     addresses = re.search(r"drafter at (\S+), verifier at (\S+)", run.stdout).groups()
     gateway = re.search(r"gateway at http://(\S+)/v1", run.stdout).group(1)
     assert gateway == f"127.0.0.1:{port}"
@@ -332,6 +333,19 @@ def test_the_readmes_demo_runs_both_services_and_the_gateway_and_stops_them():
         host, port = address.rsplit(":", 1)
         with socket.socket() as s:
             assert s.connect_ex((host, int(port))) != 0, address
+
+
+def test_a_demo_whose_gateway_cannot_start_says_why_in_one_line():
+    """The gateway's port is taken: the demo ran its comparison, then ended in a traceback
+    (ServiceStartError); it says the gateway's own error, as for the services, and stops them."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        run = _cli("demo", "--prompt", "Name a colour.", "--max-tokens", "4", "--gateway-args", f"--port {port}",
+                   timeout=600)
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert "the gateway did not start" in run.stderr and str(port) in run.stderr, run.stderr[-2000:]
 
 
 def test_cli_generate_json_speculative_and_target_only(drafter_proc, verifier_proc):
