@@ -12,7 +12,7 @@
 # volume there so it happens once.
 
 ARG PYTHON_VERSION=3.12
-# Any pytorch/pytorch:<torch>-cuda<x.y>-cudnn<n>-runtime tag with torch >= 2.4 works; pick the CUDA
+# Any pytorch/pytorch:<torch>-cuda<x.y>-cudnn<n>-runtime tag with torch >= 2.6 works (transformers 5 needs it); pick the CUDA
 # version your driver supports.
 ARG CUDA_BASE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
 
@@ -20,7 +20,7 @@ ARG CUDA_BASE=pytorch/pytorch:2.7.1-cuda12.8-cudnn9-runtime
 FROM python:${PYTHON_VERSION}-slim AS cpu
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     SPECDEC_CACHE=/models SPECDEC_HOST=0.0.0.0 SPECDEC_GATEWAY_HOST=0.0.0.0 SPECDEC_DEVICE=cpu
-# torch before the project, so that its `torch>=2.4` is already met. Where it is reachable, build
+# torch before the project, so that its `torch>=2.6` is already met. Where it is reachable, build
 # with --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu: the CPU-only wheel is
 # ~200 MB, the default PyPI wheel for Linux x86_64 bundles CUDA (several GB) it will never use here.
 ARG TORCH_INDEX_URL=""
@@ -46,7 +46,7 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     SPECDEC_CACHE=/models SPECDEC_HOST=0.0.0.0 SPECDEC_GATEWAY_HOST=0.0.0.0 SPECDEC_DEVICE=cuda
 WORKDIR /app
 COPY pyproject.toml README.md ./
-# The base image's torch (CUDA build) satisfies torch>=2.4, so pip keeps it.
+# The base image's torch (CUDA build) satisfies torch>=2.6, so pip keeps it.
 RUN mkdir -p specdec drafter_service verifier_service client specdec_rpc bench cli gateway \
     && pip install . && pip uninstall -y specdec
 COPY . .
