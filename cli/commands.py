@@ -133,8 +133,15 @@ def _http_health(url: str, timeout_s: float, ca: str | None = None) -> int:
     context = ssl.create_default_context(cafile=ca) if ca else None
     try:
         with urllib.request.urlopen(url, timeout=timeout_s, context=context) as reply:
-            print(reply.read().decode())
-            return 0
+            body = reply.read().decode(errors="replace")
+        try:  # a health reply: ours (JSON) or an empty 200 (vLLM's); a metrics port answers 200 on any path
+            json.loads(body) if body.strip() else None
+        except ValueError:
+            print(f"specdec health: {url}: HTTP 200, but not a health reply (a metrics port? the gateway's is "
+                  f"/health on its own port): {body[:200]!r}", file=sys.stderr)
+            return 1
+        print(body)
+        return 0
     except urllib.error.HTTPError as exc:
         print(f"specdec health: {url}: HTTP {exc.code}: {exc.read().decode()[:500]}", file=sys.stderr)
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # e.g. a gRPC port: BadStatusLine

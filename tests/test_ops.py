@@ -375,6 +375,16 @@ def test_health_url_of_a_port_that_speaks_no_http_is_one_line():
     assert run.returncode == 1 and url in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
+def test_health_url_of_a_services_metrics_port_is_no_health_reply(services):
+    """A metrics port answers 200 with its exposition on any path: `health --url` took that for a
+    healthy gateway and exited 0."""
+    _, v_port = services["verifier"]
+    url = f"http://127.0.0.1:{v_port}/health"
+    run = subprocess.run([sys.executable, "-m", "cli", "health", "--url", url, "--timeout-s", "5"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "not a health reply" in run.stderr, run.stderr
+
+
 def test_a_folder_of_tokenizer_files_alone_is_a_tokenizer(tmp_path):
     """Random-weight models are built on a tokenizer folder without config.json (what
     `scripts/gpu-check --prepare` carries to the GPU): it loads as a tokenizer, not as a model."""
