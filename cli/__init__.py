@@ -26,7 +26,12 @@ MAX_THREADS_PER_CPU = 4  # --threads above this many per CPU is a typo, not over
 
 
 def _cpus() -> int:
-    return os.cpu_count() or 1
+    """The CPUs this process may run on: its affinity (taskset, a container's cpuset), not the
+    host's count, which oversubscribed a pinned service."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # no sched_getaffinity (macOS)
+        return os.cpu_count() or 1
 
 
 class _Parser(argparse.ArgumentParser):
@@ -224,7 +229,7 @@ def _serve(args: argparse.Namespace, role: str) -> int:
     # key=value, so a log pipeline (or grep) can split fields; call lines add method, code, session.
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"ts=%(asctime)s role={role} level=%(levelname)s logger=%(name)s %(message)s")
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    torch.set_num_threads(args.threads or _cpus())
     prefill_dtype = args.prefill_dtype
     if role == "verifier":
         # The target is one model: a copy for rows of >= 3 tokens would score verify rows (γ >= 2)
