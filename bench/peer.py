@@ -25,6 +25,7 @@ from bench.datasets import interleave, load_dataset
 from bench.serve import WARMUP_MAX_TOKENS, encode
 from client.launcher import start_services
 from client.speculative import SpeculativeClient
+from specdec.models import EMBEDDED, EMBEDDED_NAME
 from specdec.sampling import SamplingParams
 
 
@@ -128,6 +129,15 @@ def run_peer(*, dataset: str, num_prompts: int, max_tokens: int, gammas: Sequenc
         with SpeculativeClient(verifier, drafter=drafter, num_speculative_tokens=max(gammas)) as client:
             if client.drafter_info is None:
                 raise ValueError(f"the drafter at {drafter} does not answer")
+            # The HF side runs the embedded pair: against services of other models the speedups
+            # and the "same as HF" counts compared different models.
+            embedded = f"{EMBEDDED}:{EMBEDDED_NAME}["
+            for role, info in (("verifier", client.verifier_info), ("drafter", client.drafter_info)):
+                if not info.model.startswith(embedded):
+                    raise ValueError(f"bench peer compares with HF transformers running the embedded models; the "
+                                     f"{role} at {verifier if role == 'verifier' else drafter} serves "
+                                     f"{info.model}: start the services with --model embedded, or drop --drafter "
+                                     "and --verifier to have bench peer start them")
             prompts = [encode(client, p, chat) for p in chosen]
             cap = min(client.drafter_info.max_draft_tokens, client.verifier_info.max_draft_tokens)
             if max(gammas) > cap:

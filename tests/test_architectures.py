@@ -79,6 +79,13 @@ def test_a_half_precision_verifiers_greedy_output_is_the_same_at_every_gamma(tmp
                 spec = client.generate(prompt, params, num_speculative_tokens=gamma)
                 assert spec.token_ids == base.token_ids, (prompt, gamma)
                 assert spec.num_draft_tokens > 0
+        # bench peer's HF side runs the embedded pair: against these services it compared other
+        # models, printing a speedup and "same as HF" counts without a word
+        from bench.peer import run_peer
+
+        with pytest.raises(ValueError, match="running the embedded models; the verifier at .* serves .*tiny16"):
+            run_peer(dataset="specbench", num_prompts=1, max_tokens=4, gammas=[2], seed=0, chat=False, threads=1,
+                     service_threads=1, drafter=d.address, verifier=v.address)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "opt"])
