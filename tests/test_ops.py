@@ -422,7 +422,8 @@ def test_services_started_together_are_all_stopped_when_one_fails():
                                   "recovery timeout 0", "health of a host without a port",
                                   "random lengths without the random dataset", "an infinite batch wait",
                                   "threads far past the cores", "a session ttl of nan",
-                                  "n-gram lengths without the n-gram backend", "drafting flags with --target-only",
+                                  "n-gram lengths without the n-gram backend", "weight flags with the n-gram backend",
+                                  "drafting flags with --target-only",
                                   "typical's thresholds without typical", "a gateway's fanout without a drafter",
                                   "gamma for an openai server", "malformed sharegpt entries", "a dataset not utf-8",
                                   "a speculative bench with no drafter up", "random-model cuda without CUDA",
@@ -475,6 +476,8 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path, request):
         # torch started an OpenMP thread each: 100000 exhausted the host's threads
         "threads far past the cores": (["verifier", "--threads", "100000"], 2, "--threads must be <="),
         "a session ttl of nan": (["drafter", "--session-ttl-s", "nan"], 2, "--session-ttl-s must be > 0"),
+        "weight flags with the n-gram backend": (["drafter", "--backend", "ngram", "--quantize", "int4"], 2,
+                                                 "--quantize: --backend ngram loads no weights"),
         "n-gram lengths without the n-gram backend": (["drafter", "--ngram-min", "3"], 2,
                                                       "--ngram-min and --ngram-max go with --backend ngram"),
         # each was accepted and changed nothing
