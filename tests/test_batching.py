@@ -579,18 +579,22 @@ def test_decode_steps_rounds_equal_single_steps_and_stop_where_the_generation_wo
                        SamplingParams(temperature=0.9, top_k=50, seed=7, repetition_penalty=1.3, logprobs=1)):
             one = engine.open_session()
             out = engine.verify_call(VerifyCall(one, 0, prompt, [], None, params, len(prompt)))
-            stepped, lps = list(out.output_token_ids), list(out.logprobs)
+            stepped, lps, single_ms = list(out.output_token_ids), list(out.logprobs), []
             for _ in range(5):
                 out = engine.verify_call(VerifyCall(one, len(prompt) + len(stepped) - 1, stepped[-1:], [], None, params,
                                                     len(prompt)))
                 stepped += out.output_token_ids
                 lps += out.logprobs
+                single_ms.append(out.load.device_ms)
             many = engine.open_session()
             first = engine.verify_call(VerifyCall(many, 0, prompt, [], None, params, len(prompt)))
             out = engine.verify_call(VerifyCall(many, len(prompt), first.output_token_ids, [], None, params,
                                                 len(prompt), decode_steps=5))
             assert first.output_token_ids + out.output_token_ids == stepped, params
             assert out.kv_length == len(prompt) + len(stepped) - 1 and out.num_accepted == 0
+            # the round's engine time is its five steps' (it was the last step's alone)
+            assert out.load.step_ms == pytest.approx(out.load.device_ms + out.load.host_ms, rel=1e-3)
+            assert out.load.device_ms > 2.5 * min(single_ms), (out.load.device_ms, single_ms)
             assert [e.logprob for e in first.logprobs + out.logprobs] == pytest.approx([e.logprob for e in lps],
                                                                                        abs=1e-5)
         greedy = SamplingParams(temperature=0.0)

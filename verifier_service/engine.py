@@ -89,6 +89,7 @@ class _Request:
     decode_steps: int = 1  # steps this round may run; past the first, one sampled token each
     decoded: list[int] = field(default_factory=list)  # the tokens of its steps before the current one
     decoded_lp: list[TokenLogprob] = field(default_factory=list)  # and their logprobs, when asked for
+    decoded_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)  # those steps' step, device and host ms
 
     def prompt_scored(self, n: int) -> int:
         """How many of the next n appended tokens after the first are prompt tokens to score
@@ -360,15 +361,20 @@ class VerifierEngine(ServingModel):
             try:
                 out = self._finish(r, target[i], results[i][0], results[i][1:],
                                    dataclasses.replace(load, queue_ms=r.queue_ms), raw_logp[i])
+                spent = (out.load.step_ms, out.load.device_ms, out.load.host_ms)
                 if self._decodes_on(r, out.output_token_ids[-1]):
                     r.decoded += out.output_token_ids
                     r.decoded_lp += out.logprobs or []
+                    r.decoded_ms = tuple(a + b for a, b in zip(r.decoded_ms, spent))
                     r.append_token_ids, r.draft_token_ids, r.q = out.output_token_ids[-1:], [], None
                     going_on.append(r)
                     continue
-                if r.decoded:
-                    out = dataclasses.replace(out, output_token_ids=r.decoded + out.output_token_ids,
-                                              logprobs=None if out.logprobs is None else r.decoded_lp + out.logprobs)
+                if r.decoded:  # the round's engine time is its steps' (the load's rows: the last step's)
+                    step_ms, device_ms, host_ms = (a + b for a, b in zip(r.decoded_ms, spent))
+                    out = dataclasses.replace(
+                        out, output_token_ids=r.decoded + out.output_token_ids,
+                        logprobs=None if out.logprobs is None else r.decoded_lp + out.logprobs,
+                        load=dataclasses.replace(out.load, step_ms=step_ms, device_ms=device_ms, host_ms=host_ms))
                 item.future.set_result(out)
             except Exception as exc:  # noqa: BLE001 - this request alone fails
                 item.future.set_exception(exc)
