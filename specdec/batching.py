@@ -22,9 +22,11 @@ tok/s). A tenth of the step: tiny 1.1x / 1.2x the tokens/s of the 10 ms wait at 
 32 / 64, the embedded pair as before. Unary calls, which arrive one by one, keep the full
 wait (without it, 658 against 952 rounds/s at concurrency 8).
 
-Chunked prefill: `run_batch` may return items it has not finished (a long prompt that took
-one chunk of the step's token budget); they open the next batch, ahead of the queue, so a
-prefill advances one bounded step at a time between the decode steps of everyone else.
+Carried work: `run_batch` may return items it has not finished: a long prompt that took one
+chunk of the step's token budget (chunked prefill: it advances one bounded step at a time
+between the decode steps of everyone else), or a round of several decode steps whose row stays
+in the batch. They open the next batch, ahead of the queue, and new items join them only up to
+the batch size.
 
 All torch work of a service runs on this one thread: torch's OpenMP team belongs to the
 calling OS thread, and forwards issued from many gRPC threads ran ~1.5-2x slower on CPU.
@@ -63,7 +65,7 @@ class BatchPolicy:
             raise ValueError(f"--max-wait-ms must be in [0, {MAX_WAIT_MS:.0f}], got {self.max_wait_ms}")
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `in` over a batch of carried items compared payloads field by field
 class WorkItem:
     """One request inside a batch: `payload` in, `future` out (result or exception)."""
 
@@ -138,7 +140,7 @@ class BatchScheduler:
 
     def _collect(self, first: WorkItem, carried: list[WorkItem] = ()) -> list[WorkItem]:
         """`carried` (unfinished items of the last batch) first; then, with carried work, only
-        what is queued already: a chunked prefill never waits for company."""
+        what is queued already, up to the batch size: carried work never waits for company."""
         batch = [*carried, first] if first is not None else list(carried)
         self._in_hand = batch  # appended to below: what an engine failure must fail besides the queue
         wait_ms = self.policy.max_wait_ms if self._last_batch_size > 1 and not carried else 0.0
@@ -213,8 +215,8 @@ class BatchScheduler:
         carried: list[WorkItem] = []
         while True:
             if carried:
-                try:
-                    first = self._queue.get_nowait()
+                try:  # (a full batch of carried rows takes nothing new until some finish)
+                    first = self._queue.get_nowait() if len(carried) < self.policy.max_batch_size else None
                 except queue.Empty:
                     first = None
                 else:

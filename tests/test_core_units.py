@@ -531,6 +531,34 @@ def test_an_engine_thread_that_stops_fails_every_request_at_once_and_says_so():
             signal.signal(sig, handler)
 
 
+def test_carried_rows_and_new_arrivals_never_exceed_the_batch_size():
+    """Rows that stay in the batch (decode_steps rounds, prompt chunks) open the next batch and
+    new items join only up to --max-batch-size: each step took one more queued item beside a
+    full carried batch, and that one was carried too (batches of 4, 5, 6, 7 at a cap of 4)."""
+    from specdec.batching import BatchPolicy, BatchScheduler
+
+    sizes: list[int] = []
+    steps_left: dict[int, int] = {}
+
+    def run_batch(items):
+        sizes.append(len(items))
+        carried = []
+        for it in items:
+            steps_left[it.payload] = steps_left.get(it.payload, 4) - 1
+            if steps_left[it.payload]:
+                carried.append(it)
+            else:
+                it.future.set_result(it.payload)
+        return carried
+
+    sched = BatchScheduler(run_batch, BatchPolicy(max_batch_size=4, max_wait_ms=0))
+    try:
+        assert sorted(f.result(10) for f in sched.submit_many(list(range(10)))) == list(range(10))
+    finally:
+        sched.shutdown()
+    assert max(sizes) == 4 and sum(sizes) == 40, sizes  # every item ran its 4 steps, never more than 4 at once
+
+
 def test_the_engine_waits_for_unary_stragglers_but_not_for_a_clients_step_message():
     """After a batch of several, a lone unary call waits (max_wait_ms) for the other running
     sessions' calls to share its step; a row of a client's step message (VerifyBatch /
