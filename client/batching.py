@@ -17,7 +17,9 @@ round loop recovers from as from a failed call; the next step opens a new stream
 
 Rounds that append a prompt (or any long catch-up) go as unary calls: a batch is answered
 when its last entry is done, and a chunked prefill takes several engine steps, which would
-hold back every decode round batched with it.
+hold back every decode round batched with it. For the same reason rounds of several decode
+steps (`decode_steps` > 1) travel in messages of their own, apart from one-step rounds (the
+server answers messages as they settle).
 """
 
 from __future__ import annotations
@@ -83,7 +85,10 @@ class VerifyBatcher:
         self._stub = stub
         self._name = name
         self._metadata = metadata  # VerifyStream's (a bearer token); the channel adds it to unary calls
-        self._pending: list[_Pending] = []
+        # Rounds waiting for the step's message, apart by how many engine steps they take: a
+        # message is answered when its last round is, so one-step rounds never share one with
+        # rounds of several steps.
+        self._pending: dict[bool, list[_Pending]] = {False: [], True: []}
         self._linger: asyncio.TimerHandle | None = None  # sends `_pending` when it fires
         self._front = "stream"  # then "batch" (no VerifyStream) or "unary" (no VerifyBatch either)
         self._stream_again_at: float | None = None  # "batch" for a while only: the stream broke at once
@@ -102,8 +107,8 @@ class VerifyBatcher:
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
         item = _Pending(request, time.monotonic() + timeout, loop.create_future())
-        self._pending.append(item)
-        if len(self._pending) >= min(expected, MAX_ENTRIES):
+        self._pending[request.decode_steps > 1].append(item)
+        if sum(map(len, self._pending.values())) >= min(expected, MAX_ENTRIES):
             self._flush()
         elif self._linger is None:
             linger = min(max(LINGER_SHARE * self._latency_s, LINGER_BOUNDS_S[0]), LINGER_BOUNDS_S[1])
@@ -137,9 +142,10 @@ class VerifyBatcher:
 
     def _flush(self) -> None:
         self._cancel_linger()
-        batch, self._pending = self._pending, []
-        for i in range(0, len(batch), MAX_ENTRIES):
-            self._send(batch[i:i + MAX_ENTRIES])
+        for kind in self._pending:
+            batch, self._pending[kind] = self._pending[kind], []
+            for i in range(0, len(batch), MAX_ENTRIES):
+                self._send(batch[i:i + MAX_ENTRIES])
 
     def _send(self, batch: list[_Pending]) -> None:
         if self._stream_again_at is not None and time.monotonic() >= self._stream_again_at:

@@ -109,6 +109,30 @@ def test_a_stream_that_breaks_internal_after_answering_fails_its_rounds_as_unava
     assert exc.code() == grpc.StatusCode.UNAVAILABLE and "INTERNAL: Internal error from Core" in exc.details()
 
 
+def test_rounds_of_several_decode_steps_travel_apart_from_one_step_rounds():
+    """A step message is answered when its last round is: a one-step round batched with another
+    generation's 4-step round waited 3 steps more. They go in messages of their own."""
+    from client.batching import VerifyBatcher
+    from specdec_rpc import specdec_pb2 as pb
+
+    sent: list[list[int]] = []
+
+    async def run() -> None:
+        batcher = VerifyBatcher(stub=None, name="v1")
+
+        def send(batch) -> None:  # what would go out as one message; answered at once
+            sent.append(sorted(p.request.decode_steps for p in batch))
+            for p in batch:
+                p.future.set_result(pb.VerifyResponse())
+
+        batcher._send = send
+        rounds = [pb.VerifyRequest(session_id=str(i), decode_steps=steps) for i, steps in enumerate((0, 4, 0, 4, 4))]
+        await asyncio.gather(*(batcher.verify(r, timeout=10, expected=len(rounds)) for r in rounds))
+
+    asyncio.run(run())
+    assert sorted(sent) == [[0, 0], [4, 4, 4]], sent  # one step's rounds: two messages, by kind
+
+
 def test_a_closed_client_loop_drops_late_grpc_events_instead_of_raising():
     """gRPC's aio layer dispatches every loop's completion events from whichever bound loop
     polls: a closed client's cancelled VerifyStream could still get its last events, and the
