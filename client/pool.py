@@ -126,15 +126,16 @@ class ServerPool(Generic[StubT]):
         (report it with `succeeded` or `failed`): while another server is up, or `always`; and
         the left-out servers due for a check of their model (`succeeded` takes one back)."""
         with self._lock:
-            if not always and not any(s.disabled is None and not s.down for s in self.servers):
-                return []
             now = self._clock()
-            due = [s for s in self.servers if s.disabled is None and s.down and not s.probing and now >= s.retry_at]
-            for s in due:
-                s.retry_at, s.probing = now + s.backoff_s, True
+            # (left-out servers whatever `always` says: with every verifier left out, none is up)
             left_out = [s for s in self.servers if s.disabled is not None and now >= s.recheck_at]
             for s in left_out:
                 s.recheck_at = now + RECHECK_LEFT_OUT_S
+            if not always and not any(s.disabled is None and not s.down for s in self.servers):
+                return left_out
+            due = [s for s in self.servers if s.disabled is None and s.down and not s.probing and now >= s.retry_at]
+            for s in due:
+                s.retry_at, s.probing = now + s.backoff_s, True
             return due + left_out
 
     def release(self, server: Server[StubT]) -> None:

@@ -1078,8 +1078,10 @@ class SpeculativeClient:
             # The last try: every down server at once, each call waiting for its channel's next
             # reconnect. One after another, a pool of a killed verifier and three dead addresses
             # failed after 14 s against a recovery_timeout_s of 2.
-            await asyncio.gather(*(self._reprobe(pool, server, check, patient=True)
-                                   for server in pool.claim_due(always=True)))
+            # Held tasks, shielded: a generation cancelled meanwhile (its HTTP caller left) must not
+            # leave a claimed server marked as probing for good, never retried.
+            await asyncio.shield(asyncio.gather(*(self._held(self._reprobe(pool, server, check, patient=True))
+                                                  for server in pool.claim_due(always=True))))
         else:
             for server in pool.claim_due(always=drafts):
                 self._held(self._reprobe(pool, server, check))

@@ -266,6 +266,10 @@ def test_a_left_out_server_is_checked_again_and_taken_back_once_it_fits():
     assert pool.claim_due(always=True) == [left]
     pool.succeeded(left, object())  # it fits again
     assert left.disabled is None and pool.pick(exclude=[pool.servers[1]]) is left
+    for server in pool.servers:  # every server left out: nothing is up, and they are checked all the same
+        pool.disable(server, "another model")
+    clock.now += RECHECK_LEFT_OUT_S
+    assert pool.claim_due(always=False) == pool.servers
 
 
 def test_verifiers_of_one_pool_must_serve_the_same_target():
