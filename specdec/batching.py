@@ -214,9 +214,11 @@ class BatchScheduler:
             torch.set_num_threads(self._threads)
         carried: list[WorkItem] = []
         while True:
-            if carried:
-                try:  # (a full batch of carried rows takes nothing new until some finish)
-                    first = self._queue.get_nowait() if len(carried) < self.policy.max_batch_size else None
+            if len(carried) >= self.policy.max_batch_size:
+                first = None  # a full batch of carried rows takes nothing new until some finish
+            elif carried:
+                try:
+                    first = self._queue.get_nowait()
                 except queue.Empty:
                     first = None
                 else:

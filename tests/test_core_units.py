@@ -531,10 +531,12 @@ def test_an_engine_thread_that_stops_fails_every_request_at_once_and_says_so():
             signal.signal(sig, handler)
 
 
-def test_carried_rows_and_new_arrivals_never_exceed_the_batch_size():
+@pytest.mark.parametrize("cap", [1, 4])
+def test_carried_rows_and_new_arrivals_never_exceed_the_batch_size(cap):
     """Rows that stay in the batch (decode_steps rounds, prompt chunks) open the next batch and
     new items join only up to --max-batch-size: each step took one more queued item beside a
-    full carried batch, and that one was carried too (batches of 4, 5, 6, 7 at a cap of 4)."""
+    full carried batch, and that one was carried too (batches of 4, 5, 6, 7 at a cap of 4). A
+    full carried batch then stopped the engine (read as the shutdown marker) at a cap of 1."""
     from specdec.batching import BatchPolicy, BatchScheduler
 
     sizes: list[int] = []
@@ -551,12 +553,13 @@ def test_carried_rows_and_new_arrivals_never_exceed_the_batch_size():
                 it.future.set_result(it.payload)
         return carried
 
-    sched = BatchScheduler(run_batch, BatchPolicy(max_batch_size=4, max_wait_ms=0))
+    sched = BatchScheduler(run_batch, BatchPolicy(max_batch_size=cap, max_wait_ms=0))
     try:
         assert sorted(f.result(10) for f in sched.submit_many(list(range(10)))) == list(range(10))
+        assert not sched.stopped.is_set()
     finally:
         sched.shutdown()
-    assert max(sizes) == 4 and sum(sizes) == 40, sizes  # every item ran its 4 steps, never more than 4 at once
+    assert max(sizes) == cap and sum(sizes) == 40, sizes  # every item ran its 4 steps, never more than cap at once
 
 
 def test_the_engine_waits_for_unary_stragglers_but_not_for_a_clients_step_message():

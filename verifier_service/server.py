@@ -87,16 +87,23 @@ class VerifierServicer(SessionMethods, pb_grpc.VerifierServicer):
                     if entries > window:  # the stream ends there, once the replies before it are out
                         settled.put(_too_many(entries, window))
                         return
-                    with room:  # never begin a message after the stream has let its sessions go
+                    with room:
                         room.wait_for(lambda: state["closed"] or not state["in_flight"]
                                       or state["in_flight"] + entries <= window)
                         if state["closed"]:
                             return
                         state["in_flight"] += entries
-                        begun = (message.tag,
-                                 self.engine.begin_batch(_calls(self.engine, message, owner), context.is_active),
-                                 entries)
-                        state["open"][id(begun)] = begun
+                    # Outside the lock (its checks and proposal decodes take a while): a settled
+                    # message's reply never waits for the next message's checks.
+                    begun = (message.tag, self.engine.begin_batch(_calls(self.engine, message, owner),
+                                                                  context.is_active), entries)
+                    with room:
+                        closed = state["closed"]
+                        if not closed:
+                            state["open"][id(begun)] = begun
+                    if closed:  # the stream let its sessions go meanwhile: this message's too
+                        self.engine.finish_batch(begun[1])
+                        return
                     _when_settled(begun[1].futures, lambda begun=begun: settled.put(begun))
             except grpc.RpcError:
                 pass  # the client went away: the stream's end finishes what was begun
