@@ -27,8 +27,8 @@ Metrics follow vLLM's `benchmarks/serve.py` names and definitions:
 - per request, vLLM's arrays `input_lens`, `output_lens`, `ttfts`, `itls` and `errors`.
 Ours: `acceptance_rate` (accepted / proposed drafts), `mean_accepted_tokens_per_round`
 (accepted drafts per round, bonus token excluded), `mean_rounds_per_request`, and per
-round of each request `accepted_per_round` (the tokens its chunk carries minus one; a
-round cut short by EOS counts only the tokens kept) and `drafts_per_round` (as the client
+round of each request `accepted_per_round` (the tokens its chunk carries minus one, 0 for a
+round without drafts; a round cut short by EOS counts only the tokens kept) and `drafts_per_round` (as the client
 reports them: 0 for the first round and for every target-only round), plus
 `speculative_round_share` (rounds that drafted / all rounds) and `mean_drafts_per_round`
 (the mean γ over all rounds, the γ of the ideal-speedup model below), and
@@ -352,6 +352,8 @@ async def send_request(client: SpeculativeClient, req: BenchRequest, config: Wor
     rec.accepted_tokens = result.num_accepted_tokens
     if not config.target_only:
         rec.drafts_per_round = list(result.gamma_per_round)
+        # A round without drafts accepts none, though a decode_steps round's chunk carries several tokens.
+        rec.accepted_per_round = [a if g else 0 for a, g in zip(rec.accepted_per_round, rec.drafts_per_round)]
     rec.cached_draft_tokens = result.cached_draft_tokens
     rec.draft_time = result.draft_time_s
     rec.verify_time = result.verify_time_s

@@ -163,7 +163,9 @@ class SpeculativeClient:
         this many target-only steps on the verifier (VerifyRequest.decode_steps) and answers
         them at once: one call per that many tokens where nothing is speculated (target-only
         generations, and adaptive γ while it chooses 0); 1 turns it off. Tokens are the same
-        (greedy, or seeded); they stream in groups of up to this many."""
+        (greedy; seeded target-only; a seeded adaptive γ schedule counts rounds, so it differs
+        between settings, still the same for one setting under any load); they stream in
+        groups of up to this many."""
         for name, value in (("timeout_s", timeout_s), ("recovery_timeout_s", recovery_timeout_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -785,7 +787,7 @@ class SpeculativeClient:
         if gen.result.num_rounds == 0 or gen.drafter.prefill is not None:
             return 1
         if gen.gamma_max and gen.controller is None:
-            return 1  # a fixed γ sends no drafts only at the very end (max_tokens) or while catching up
+            return 1  # a fixed γ's rounds without drafts are its last (max_tokens), or wait for its drafter
         if gen.controller is not None and gen.controller.probing:
             return 1
         remaining = gen.output.params.max_tokens - len(gen.result.token_ids)

@@ -369,13 +369,7 @@ class ServingModel:
                 "must hold at least the last committed token (its logits start the next position)",
             )
         self.check_token_ids(append_token_ids, "append_token_ids")
-        if not 0 <= num_draft <= self.config.max_draft_tokens:
-            raise InvalidArgument(draft_field, f"must be in [0, {self.config.max_draft_tokens}], got {num_draft}")
-        end = truncate_to + len(append_token_ids) + num_draft
-        if end > self.lm.max_context:
-            raise OutOfRange(
-                f"truncate_to + len(append_token_ids) + drafts = {end} exceeds the maximum context {self.lm.max_context}"
-            )
+        self.check_sizes(truncate_to, len(append_token_ids), num_draft, draft_field)
 
     def check_sizes(self, truncate_to: int, num_append: int, num_draft: int,
                     draft_field: str = "num_draft_tokens") -> None:

@@ -556,7 +556,7 @@ def test_unreachable_upstream_is_503_on_health_and_api():
 
 
 def test_health_counts_no_verifier_left_out_of_its_pool(verifier_proc):
-    """A pool member that came back serving another model is left out for good: it answers
+    """A pool member that came back serving another model is left out (checked again every 30 s): it answers
     GetModelInfo, but no generation goes to it, so /health must not call the gateway up on it
     (it answered 200 "ok" while every request got 503)."""
     from gateway.upstream import Upstream, UpstreamConfig

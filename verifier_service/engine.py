@@ -160,10 +160,11 @@ class VerifierEngine(ServingModel):
         params: SamplingParams,
         prompt_length: int = 0,
         owner: str | None = None,
+        decode_steps: int = 1,
     ) -> VerifyOut:
         """Validates (before the session is touched), holds the session, waits for its batch."""
         return self.verify_call(VerifyCall(session_id, truncate_to, append_token_ids, draft_token_ids, proposal,
-                                           params, prompt_length, owner))
+                                           params, prompt_length, owner, decode_steps))
 
     def verify_call(self, call: VerifyCall, alive: Callable[[], bool] | None = None) -> VerifyOut:
         """`verify` of one VerifyCall (what a unary Verify carries). alive: whether the caller
