@@ -260,13 +260,10 @@ def _serve(args: argparse.Namespace, role: str) -> int:
     if ngram and args.backend != "ngram":
         raise ValueError("--ngram-min and --ngram-max go with --backend ngram")
     if role == "drafter" and args.backend == "ngram":
-        # Weight flags do nothing without weights: refused, as other no-op flags are.
-        weightless = [flag for flag, given in (("--quantize", args.quantize not in ("auto", "none")),
-                                               ("--dtype", args.dtype is not None),
-                                               ("--prefill-dtype", args.prefill_dtype != "auto"),
-                                               ("--cpu-linear", args.cpu_linear != "auto")) if given]
-        if weightless:
-            raise ValueError(f"{', '.join(weightless)}: --backend ngram loads no weights (only the tokenizer)")
+        # Quantizing asks for weights it does not load: refused, as other no-op flags are. (A dtype
+        # is not: deployments pass one set of model flags to both services.)
+        if args.quantize not in ("auto", "none"):
+            raise ValueError(f"--quantize {args.quantize}: --backend ngram loads no weights (only the tokenizer)")
     if role == "drafter" and args.backend == "ngram":
         from drafter_service.ngram_engine import NgramDrafterEngine
         from drafter_service.server import run

@@ -666,6 +666,8 @@ class SpeculativeClient:
                 if gen.controller is not None and steady and steps == 1:
                     # (a round of several steps is no sample of one round's cost at γ 0)
                     gen.controller.update(len(drafts), response.num_accepted, draft_s, verify_s)
+                elif gen.controller is not None and steps > 1:
+                    gen.controller.note_decode_steps(len(response.output_token_ids))
                 logprobs = (_logprobs_from_pb(response.output_token_ids, response.logprobs)
                             if gen.result.logprobs is not None else None)
                 chunk = gen.output.commit(response.output_token_ids, logprobs, time.perf_counter())
@@ -733,18 +735,21 @@ class SpeculativeClient:
         while the drafter's background prefill has not landed; starts that prefill when due."""
         link, committed = gen.drafter, gen.committed
         remaining = gen.output.params.max_tokens - len(gen.result.token_ids)
-        if not gen.gamma_max or gen.result.num_rounds == 0:
-            cap = 0  # the first token is the verifier's alone (target-only TTFT)
-        elif gen.controller is not None:
-            gen.controller.costs = self.costs(gen.verifier.server.address)
-            cap = gen.controller.next_gamma(link.max_draft_tokens)
-        else:
-            cap = link.max_draft_tokens
         # Never draft more than can be kept: the round emits up to gamma + 1 tokens. Except with a
         # seed: its rounds (hence its draws) must not depend on max_tokens, so that a shorter
         # run is a prefix of a longer one; the output processor drops what is past max_tokens.
         keepable = remaining - 1 if gen.output.params.seed is None else gen.verifier_context - len(committed) - 1
-        gamma = max(0, min(cap, keepable, gen.drafter_context - len(committed)))
+        room = max(0, min(keepable, gen.drafter_context - len(committed)))
+        if not gen.gamma_max or gen.result.num_rounds == 0:
+            cap = 0  # the first token is the verifier's alone (target-only TTFT)
+        elif gen.controller is not None:
+            gen.controller.costs = self.costs(gen.verifier.server.address)
+            # Within what can be kept: a probe due in a round with no room for drafts (a
+            # generation's last) waits for a round that has some, instead of being spent on none.
+            cap = gen.controller.next_gamma(min(link.max_draft_tokens, room))
+        else:
+            cap = link.max_draft_tokens
+        gamma = min(cap, room)
         waited = link.prefill is not None  # a prefill started in an earlier round
         if gamma and link.prefill is None and self._drafter_behind(link, committed):
             if gen.controller is not None and gen.controller.probing:

@@ -198,6 +198,12 @@ class ServingCosts:
                 return True
             return False
 
+    def count_zero_rounds(self, n: int) -> None:
+        """n more γ = 0 rounds toward the next probe, without one being due now (the tokens past
+        the first of a round of several decode steps)."""
+        with self._lock:
+            self._zero_rounds += n
+
     def probe_outcome(self, resumed: bool) -> None:
         """After a probe: speculation resumed (probes at the base rate again), or γ 0 held (the
         next probe comes twice as late, up to 8x: a useless drafter costs little to re-check)."""
@@ -309,6 +315,17 @@ class AdaptiveGamma:
         self._c_draft = per_token if self._c_draft is None else self.decay * self._c_draft + (1 - self.decay) * per_token
         g = float(proposed)
         self._v = [self.decay * s + x for s, x in zip(self._v, (1.0, g, g * g, verify_s, g * verify_s))]
+
+    def note_decode_steps(self, tokens: int) -> None:
+        """A γ = 0 round of several target-only steps emitted `tokens`: each past the first counts
+        as a γ = 0 round toward the next probe, so probes stay every `probe_every` tokens (counted
+        in rounds, they came every 16 rounds of 4 tokens, and 10-token generations had none)."""
+        if tokens <= 1:
+            return
+        if self.costs is not None and not self.deterministic:
+            self.costs.count_zero_rounds(tokens - 1)
+        else:
+            self._zero_rounds += tokens - 1
 
     def defer_probe(self) -> None:
         """The probe just chosen cannot draft yet (the drafter holds nothing of this sequence

@@ -624,3 +624,49 @@ def test_decode_steps_rounds_equal_single_steps_and_stop_where_the_generation_wo
         assert engine.sessions._sessions[sid].length == out.kv_length == len(prompt) + len(out.output_token_ids)  # untouched
     finally:
         engine.shutdown()
+
+
+def test_decode_steps_stop_at_eos_past_min_tokens_at_the_context_end_and_a_cancel_restores_the_session(target_lm):
+    """EOS (biased to win) is masked until min_tokens outputs exist, then ends the round, unless
+    ignore_eos; a round stops where the context ends; a round whose caller leaves mid-way fails
+    at its next step and its session is cropped back to its truncate_to."""
+    from specdec.errors import CallCancelled
+    from specdec.models import CausalLM, ModelSpec
+    from specdec.serving import EngineConfig
+    from verifier_service.engine import VerifierEngine, VerifyCall
+
+    engine = VerifierEngine(target_lm.spec, EngineConfig(speculation_slots=0), lm=target_lm)
+    eos = engine.info.eos_token_ids[0]
+    prompt = target_lm.tokenizer("The quick brown fox").input_ids
+    try:
+        sid = engine.open_session()
+        head = engine.verify_call(VerifyCall(sid, 0, prompt, [], None, SamplingParams(temperature=0.0),
+                                             len(prompt))).output_token_ids
+        # outputs so far: 1 (head); min_tokens 3 masks EOS for the 2nd and 3rd, the 4th is EOS and ends it
+        params = SamplingParams(temperature=0.0, logit_bias={eos: 100.0}, min_tokens=3)
+        out = engine.verify_call(VerifyCall(sid, len(prompt), head, [], None, params, len(prompt), decode_steps=6))
+        assert len(out.output_token_ids) == 3 and eos not in out.output_token_ids[:2], out.output_token_ids
+        assert out.output_token_ids[2] == eos
+        # ignore_eos: EOS is neither masked nor a stop, so the round runs its 6 steps
+        out = engine.verify_call(VerifyCall(sid, len(prompt), head, [], None, params.replace(ignore_eos=True),
+                                            len(prompt), decode_steps=6))
+        assert out.output_token_ids == [eos] * 6
+        calls = iter([True, True])  # alive for the first two steps' checks, then the caller is gone
+        with pytest.raises(CallCancelled):
+            engine.verify_call(VerifyCall(sid, len(prompt), head, [], None, SamplingParams(temperature=0.0),
+                                          len(prompt), decode_steps=6), alive=lambda: next(calls, False))
+        assert engine.sessions._sessions[sid].length == len(prompt)  # cropped back: no token of the round kept
+    finally:
+        engine.shutdown()
+
+    short = CausalLM(ModelSpec(dtype="float32", max_model_len=len(prompt) + 4))
+    engine = VerifierEngine(short.spec, EngineConfig(speculation_slots=0), lm=short)
+    try:
+        sid = engine.open_session()
+        head = engine.verify_call(VerifyCall(sid, 0, prompt, [], None, SamplingParams(temperature=0.0),
+                                             len(prompt))).output_token_ids
+        out = engine.verify_call(VerifyCall(sid, len(prompt), head, [], None, SamplingParams(temperature=0.0),
+                                            len(prompt), decode_steps=8))
+        assert len(out.output_token_ids) == 4 and out.kv_length == short.max_context  # the context is full
+    finally:
+        engine.shutdown()

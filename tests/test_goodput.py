@@ -241,14 +241,15 @@ def test_a_long_prompt_does_not_stall_the_other_sessions(capped_pair):
     """Three short sessions stream target-only rounds; a prompt ~8x longer arrives. With a
     64-token step budget its prefill runs in chunks between their steps: the largest gap
     between their tokens while it prefills stays a small part of that prefill, where
-    without chunking one gap would span all of it."""
+    without chunking one gap would span all of it. (One token per round, decode_steps=1: each
+    gap is then one engine step, which is what the chunking bounds.)"""
     from client.speculative import SpeculativeClient
     from specdec.sampling import SamplingParams
 
     verifier, _ = capped_pair
     short = "Count slowly from one to one hundred, one number per line."
     long_prompt = " ".join(["The quick brown fox jumps over the lazy dog near the quiet river bank."] * 40)
-    with SpeculativeClient(verifier.address) as client:
+    with SpeculativeClient(verifier.address, decode_steps=1) as client:
         n_short = len(client.encode_prompt(short, chat=True))
         n_long = len(client.encode_prompt(long_prompt))
         assert n_long >= 8 * n_short

@@ -477,7 +477,7 @@ def test_a_user_mistake_is_one_line_not_a_traceback(case, tmp_path, request):
         "threads far past the cores": (["verifier", "--threads", "100000"], 2, "--threads must be <="),
         "a session ttl of nan": (["drafter", "--session-ttl-s", "nan"], 2, "--session-ttl-s must be > 0"),
         "weight flags with the n-gram backend": (["drafter", "--backend", "ngram", "--quantize", "int4"], 2,
-                                                 "--quantize: --backend ngram loads no weights"),
+                                                 "--quantize int4: --backend ngram loads no weights"),
         "n-gram lengths without the n-gram backend": (["drafter", "--ngram-min", "3"], 2,
                                                       "--ngram-min and --ngram-max go with --backend ngram"),
         # each was accepted and changed nothing

@@ -581,3 +581,32 @@ def test_streams_past_max_streams_are_refused_and_their_clients_send_verifybatch
                 box.put(None)
                 s.cancel()
             channel.close()
+
+
+def test_a_stream_answers_a_one_step_message_before_an_earlier_message_of_several_steps(stub):
+    """Replies come as messages settle (matched by tag): a one-step round sent after a 12-step
+    round of another session is answered after its one step, not after the other's twelve."""
+    greedy = pb.SamplingParams(temperature=0.0, ignore_eos=True)
+    prompt = [1, 504, 2365, 6354, 16438]
+    sids, heads = [], []
+    for _ in range(2):
+        sid = stub.OpenSession(pb.OpenSessionRequest()).session_id
+        heads.append(list(stub.Verify(pb.VerifyRequest(session_id=sid, append_token_ids=prompt, sampling=greedy,
+                                                       prompt_length=len(prompt))).output_token_ids))
+        sids.append(sid)
+    try:
+        messages = [pb.VerifyBatchRequest(tag=1, requests=[pb.VerifyRequest(
+                        session_id=sids[0], truncate_to=len(prompt), append_token_ids=heads[0], sampling=greedy,
+                        prompt_length=len(prompt), decode_steps=12)]),
+                    pb.VerifyBatchRequest(tag=2, requests=[pb.VerifyRequest(
+                        session_id=sids[1], truncate_to=len(prompt), append_token_ids=heads[1], sampling=greedy,
+                        prompt_length=len(prompt))])]
+        replies = list(stub.VerifyStream(iter(messages), timeout=120))
+        assert [r.tag for r in replies] == [2, 1]
+        by_tag = {r.tag: r.results[0] for r in replies}
+        assert [by_tag[t].code for t in (1, 2)] == [0, 0]
+        assert len(by_tag[1].response.output_token_ids) == 12 and len(by_tag[2].response.output_token_ids) == 1
+        assert by_tag[1].response.output_token_ids[0] == by_tag[2].response.output_token_ids[0]  # same prompt
+    finally:
+        for sid in sids:
+            stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
