@@ -503,6 +503,7 @@ _COUNTERS = {
     "accepted_tokens": ("specdec_accepted_tokens", "draft tokens accepted"),
     "emitted_tokens": ("specdec_emitted_tokens", "tokens emitted (accepted drafts + recovered / bonus)"),
     "batches": ("specdec_batches", "batched engine steps"),
+    "batched_rows": ("specdec_batched_rows", "rows of all batched steps (batched_rows / batches: the mean batch)"),
     "evictions": ("specdec_session_evictions", "sessions evicted to admit new ones"),
     "speculation_hits": ("specdec_speculation_hits", "Draft calls answered wholly from a pre-drafted branch"),
     "speculation_partial_hits": ("specdec_speculation_partial_hits", "Draft calls that a branch answered in part"),

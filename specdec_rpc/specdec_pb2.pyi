@@ -300,7 +300,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("role", "requests", "failed_requests", "forwards", "draft_tokens", "accepted_tokens", "emitted_tokens", "live_sessions", "kv_tokens", "kv_bytes", "batches", "evictions", "speculation_hits", "speculation_partial_hits", "speculation_misses", "speculation_draft_tokens", "speculation_dropped_branches", "cancelled_requests")
+    __slots__ = ("role", "requests", "failed_requests", "forwards", "draft_tokens", "accepted_tokens", "emitted_tokens", "live_sessions", "kv_tokens", "kv_bytes", "batches", "evictions", "speculation_hits", "speculation_partial_hits", "speculation_misses", "speculation_draft_tokens", "speculation_dropped_branches", "cancelled_requests", "batched_rows")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FAILED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +319,7 @@ class ServerStats(_message.Message):
     SPECULATION_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_DROPPED_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_ROWS_FIELD_NUMBER: _ClassVar[int]
     role: str
     requests: int
     failed_requests: int
@@ -337,4 +338,5 @@ class ServerStats(_message.Message):
     speculation_draft_tokens: int
     speculation_dropped_branches: int
     cancelled_requests: int
-    def __init__(self, role: _Optional[str] = ..., requests: _Optional[int] = ..., failed_requests: _Optional[int] = ..., forwards: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., emitted_tokens: _Optional[int] = ..., live_sessions: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., batches: _Optional[int] = ..., evictions: _Optional[int] = ..., speculation_hits: _Optional[int] = ..., speculation_partial_hits: _Optional[int] = ..., speculation_misses: _Optional[int] = ..., speculation_draft_tokens: _Optional[int] = ..., speculation_dropped_branches: _Optional[int] = ..., cancelled_requests: _Optional[int] = ...) -> None: ...
+    batched_rows: int
+    def __init__(self, role: _Optional[str] = ..., requests: _Optional[int] = ..., failed_requests: _Optional[int] = ..., forwards: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., emitted_tokens: _Optional[int] = ..., live_sessions: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., batches: _Optional[int] = ..., evictions: _Optional[int] = ..., speculation_hits: _Optional[int] = ..., speculation_partial_hits: _Optional[int] = ..., speculation_misses: _Optional[int] = ..., speculation_draft_tokens: _Optional[int] = ..., speculation_dropped_branches: _Optional[int] = ..., cancelled_requests: _Optional[int] = ..., batched_rows: _Optional[int] = ...) -> None: ...

@@ -671,7 +671,7 @@ async def _concurrently(base_url: str, api_key: str, solo_first: bool, verifier_
         wall = time.perf_counter() - t0
         after = server_stats(verifier_address, "verifier")
     return {"solo": solo, "together": together, "wall": wall,
-            "mean_batch": (after["requests"] - before["requests"]) / (after["batches"] - before["batches"])}
+            "mean_batch": (after["batched_rows"] - before["batched_rows"]) / (after["batches"] - before["batches"])}
 
 
 @pytest.fixture(scope="module")
