@@ -85,6 +85,11 @@ class BatchStats:
     def batches(self) -> int:
         return sum(self.sizes.values())
 
+    @property
+    def rows(self) -> int:
+        """Rows of all batches: rows / batches is the mean batch size."""
+        return sum(size * n for size, n in list(self.sizes.items()))  # a copy: the engine thread may count meanwhile
+
 
 class BatchScheduler:
     """Runs `run_batch(items)` on a dedicated thread; `run_batch` settles every item's future,

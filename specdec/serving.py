@@ -329,7 +329,7 @@ class ServingModel:
         out["kv_tokens"] = self.sessions.kv_tokens()
         out["kv_bytes"] = self.sessions.kv_bytes()
         out["batches"] = self.scheduler.stats.batches
-        out["batched_rows"] = sum(size * n for size, n in list(self.scheduler.stats.sizes.items()))
+        out["batched_rows"] = self.scheduler.stats.rows
         out["evictions"] = self.sessions.evictions
         return out
 
