@@ -462,7 +462,7 @@ class SpeculativeClient:
         costs = self._costs.get(verifier_address)
         if costs is None:
             with self._costs_lock:
-                costs = self._costs.setdefault(verifier_address, ServingCosts())
+                costs = self._costs.setdefault(verifier_address, ServingCosts(decode_steps=self.decode_steps))
         return costs
 
     def effective_gamma(self, gamma: int) -> int:

@@ -35,10 +35,11 @@ fits each engine's step cost against step size (verifier: seconds = a + b·token
 seconds = a + b·rows) and chooses the γ that maximises goodput when every running session
 uses it (SmartSpec, arXiv 2406.14066):
 
-    rate(γ) = E(γ) / (o_d + γ·T_d(B) + o_v + T_v(B·(γ + 1)))     rate(0) = 1 / (o_v + T_v(B))
+    rate(γ) = E(γ) / (o_d + γ·T_d(B) + o_v + T_v(B·(γ + 1)))     rate(0) = k / (o_v + k·T_v(B))
 
 o_d, o_v are what a call costs beyond its engine steps (gRPC, serialization), measured as
-latency minus reported engine time. The terms add up because on a shared host the two
+latency minus reported engine time; k is the target-only steps a round without drafts runs
+(`decode_steps`: one call for k tokens, so its overhead is shared by k of them). The terms add up because on a shared host the two
 engines take turns on the cores (with separate devices this is the latency of one round,
 and the overlap between sessions is a bonus the model does not count). γ = 0 wins when
 batched drafting and wide verifies cost more than they save; sessions then run target-only
@@ -118,8 +119,9 @@ class ServingCosts:
     MIN_DRAFT_SAMPLES = 1.0  # decayed weight of draft-step samples before the model is used
     MIN_VERIFY_SAMPLES = 1.0
 
-    def __init__(self, decay: float = 0.9) -> None:
+    def __init__(self, decay: float = 0.9, decode_steps: int = 1) -> None:
         self.decay = decay
+        self.decode_steps = max(1, decode_steps)  # target-only steps of a γ = 0 round (its k)
         self.verify = LinearCost(decay, prior_doubling=32.0)  # seconds per verifier step vs its tokens
         self.draft = LinearCost(decay, prior_doubling=8.0)  # seconds per drafter step vs its rows
         self.verify_overhead = 0.0  # seconds per Verify call beyond the engine step
@@ -215,12 +217,13 @@ class ServingCosts:
             return self._alpha[0] / self._alpha[1] if self._alpha[1] > 0 else default
 
     def round_s(self, gamma: int) -> float:
-        """Seconds of one round per session when all B running sessions use `gamma`."""
+        """Seconds of one round per session when all B running sessions use `gamma`; for γ = 0, per
+        token: a round of k decode steps pays its call's overhead once."""
         with self._lock:
             b = self.running
-            verify = self.verify_overhead + self.verify(b * (gamma + 1))
             if gamma == 0:
-                return verify
+                return self.verify_overhead / self.decode_steps + self.verify(b)
+            verify = self.verify_overhead + self.verify(b * (gamma + 1))
             return self.draft_overhead + gamma * self.draft(b) + verify
 
     def _mix(self, old: float, new: float, weight: float) -> float:

@@ -21,17 +21,18 @@ from tests.conftest import SERVICE_THREADS
 # ---- the controller, on synthetic costs ---------------------------------------------------
 
 
-def _feed(costs: ServingCosts, running: int, verify_ms, draft_ms, rounds: int = 30) -> None:
+def _feed(costs: ServingCosts, running: int, verify_ms, draft_ms, rounds: int = 30,
+          overhead_s: float = 0.001) -> None:
     """Engine reports of `rounds` rounds at `running` sessions: verify steps of every width
     the sessions could send (1..9 tokens each) and drafter steps of 1..running rows.
     verify_ms(tokens), draft_ms(rows): the synthetic step costs."""
     for i in range(rounds):
         width = running * (1 + i % 9)
         costs.observe_verify(EngineLoad(running_sessions=running, step_rows=running, step_tokens=width,
-                                        step_ms=verify_ms(width)), latency_s=verify_ms(width) / 1e3 + 0.001)
+                                        step_ms=verify_ms(width)), latency_s=verify_ms(width) / 1e3 + overhead_s)
         rows = 1 + i % running
         costs.observe_draft(EngineLoad(running_sessions=running, step_rows=rows, step_tokens=rows,
-                                       step_ms=draft_ms(rows)), latency_s=4 * draft_ms(rows) / 1e3 + 0.001, steps=4)
+                                       step_ms=draft_ms(rows)), latency_s=4 * draft_ms(rows) / 1e3 + overhead_s, steps=4)
 
 
 def _accept_all(ctl: AdaptiveGamma, rounds: int = 10) -> None:
@@ -59,6 +60,23 @@ def test_controller_picks_zero_when_batched_drafting_loses_and_returns_when_it_r
     assert costs.round_s(0) < costs.round_s(1) / expected_tokens(ctl.alpha, 1)
     _feed(costs, 1, verify, draft)
     assert ctl.next_gamma() >= 4
+
+
+def test_a_target_only_round_of_several_decode_steps_pays_its_call_once():
+    """The H100's shape (a 2.8 ms step, 1.3 ms of call overhead, a 1.4 ms drafter step) at
+    acceptance ~2/3: against rounds of one token a call, γ 2 pays a little; against target-only
+    rounds of 4 decode steps, which share one call's overhead among 4 tokens, it does not."""
+    picks = {}
+    for k in (1, 4):
+        costs = ServingCosts(decode_steps=k)
+        ctl = AdaptiveGamma(gamma_min=0, gamma_max=8, costs=costs, probe_every=1000)
+        for _ in range(10):
+            ctl.update(4, 2, draft_s=0.01, verify_s=0.05)
+        _feed(costs, 1, lambda t: 2.8 + 0.004 * t, lambda r: 1.38 + 0.01 * r, overhead_s=0.0013)
+        picks[k] = ctl.next_gamma()
+        # per token, γ 0 costs the step plus the call's overhead shared by k tokens
+        assert costs.round_s(0) == pytest.approx(costs.verify(1) + costs.verify_overhead / k)
+    assert picks[1] >= 1 and picks[4] == 0
 
 
 def test_controller_probes_while_it_stays_at_zero():
