@@ -133,6 +133,26 @@ def test_rounds_of_several_decode_steps_travel_apart_from_one_step_rounds():
     assert sorted(sent) == [[0, 0], [4, 4, 4]], sent  # one step's rounds: two messages, by kind
 
 
+def test_the_batchers_linger_follows_a_steps_latency_not_a_messages_of_several_steps():
+    """The linger (how long a message waits for the rest of the client's rounds) is a tenth of a
+    step's latency: a message of 4-step rounds that took 12 ms is 3 ms a step, as a one-step
+    message of 3 ms is; counted whole it lingered 4x as long."""
+    from client.batching import LINGER_SHARE, VerifyBatcher, _Pending
+    from specdec_rpc import specdec_pb2 as pb
+
+    def latency_after(steps: int, seconds: float) -> float:
+        batcher = VerifyBatcher(stub=None, name="v1")
+        batch = [_Pending(pb.VerifyRequest(decode_steps=steps), 0.0, None) for _ in range(3)]
+        for _ in range(60):
+            batcher._returned(seconds, batch)
+        return batcher._latency_s
+
+    one_step = latency_after(0, 0.003)
+    assert one_step == pytest.approx(0.003, rel=1e-3)  # the decayed mean, converged
+    assert latency_after(4, 0.012) == pytest.approx(one_step)
+    assert LINGER_SHARE * latency_after(4, 0.012) == pytest.approx(0.0003, rel=1e-3)
+
+
 def test_a_closed_client_loop_drops_late_grpc_events_instead_of_raising():
     """gRPC's aio layer dispatches every loop's completion events from whichever bound loop
     polls: a closed client's cancelled VerifyStream could still get its last events, and the
