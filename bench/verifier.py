@@ -4,7 +4,7 @@ Each of C client threads owns one verifier session: it prefills a prompt, then r
 rounds of `Verify(truncate_to=kv_length, append=[last token], drafts=γ random ids)` for a
 fixed time. Random drafts make every round cost one (γ+1)-token forward row and emit one
 token, so the numbers isolate the verifier: scored tokens/s = rounds × (γ+1) / s. Batch
-sizes come from the server's own counters (requests / batches). Concurrency 1 is measured
+sizes come from the server's own counters (batched rows / batches). Concurrency 1 is measured
 in the same run and every row reports its throughput relative to it.
 
 `--front batched`: one client thread carries all C sessions and sends each step's rounds in
@@ -226,7 +226,9 @@ def run_level(address: str, concurrency: int, gamma: int, prompt_len: int, secon
             raise SpecDecError(f"{len(errors)} of {concurrency} workers failed; first: "
                                f"{errors[0].code().name}: {errors[0].details()}")
         raise RuntimeError(f"{len(errors)} of {concurrency} workers failed; first: {errors[0]!r}")
-    requests = after.requests - before.requests
+    # rows of every batched step (a round of several decode steps is a row of each); an older
+    # server without the counter: requests, which each take one step here (no decode_steps)
+    rows = after.batched_rows - before.batched_rows or after.requests - before.requests
     batches = max(after.batches - before.batches, 1)
     lat_ms = np.asarray([t for t, _ in samples]) * 1000
     loads = [load for _, load in samples]
@@ -251,8 +253,8 @@ def run_level(address: str, concurrency: int, gamma: int, prompt_len: int, secon
         "duration_s": round(elapsed, 3),
         "rounds_per_s": round(rounds_per_s, 2),
         "scored_tokens_per_s": round(total_rounds * (gamma + 1) / elapsed, 1),
-        # requests include each session's prefill; the mean is over everything the server batched
-        "mean_batch_size": round(requests / batches, 2),
+        # rows include each session's prefill; the mean is over everything the server batched
+        "mean_batch_size": round(rows / batches, 2),
         "p50_round_ms": round(p50_ms, 2) if p50_ms is not None else None,
         "p99_round_ms": round(float(np.percentile(lat_ms, 99)), 2) if len(lat_ms) else None,
         # the tail a stall of every session in flight (a full garbage collection) shows in

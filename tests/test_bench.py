@@ -323,6 +323,7 @@ def test_verifier_bench_reports_the_engine_step_and_the_cost_of_an_empty_call(ve
         # each round contains the step that served it (paired round by round, not against a mean
         # step, which a p50 round undercuts when step times spread), so the excess is positive
         assert level["p50_over_step_ms"] > 0 and 0 < level["efficiency"] <= 1.05
+        assert 1 <= level["mean_batch_size"] <= level["concurrency"]  # the server's batched rows / batches
     assert res["levels"][1]["mean_step_rows"] > 1  # three sessions share steps
 
 
