@@ -144,7 +144,10 @@ def _http_health(url: str, timeout_s: float, ca: str | None = None) -> int:
         return 0
     except urllib.error.HTTPError as exc:
         print(f"specdec health: {url}: HTTP {exc.code}: {exc.read().decode()[:500]}", file=sys.stderr)
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # e.g. a gRPC port: BadStatusLine
+    except http.client.BadStatusLine:  # an HTTP/2-only server answered HTTP/1.1 with its binary frames
+        print(f"specdec health: {url}: not an HTTP/1.1 server (a gRPC port? ask it with "
+              f"`specdec health --address HOST:PORT`)", file=sys.stderr)
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         print(f"specdec health: {url}: {type(exc).__name__}: {exc}", file=sys.stderr)
     return 1
 

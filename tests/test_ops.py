@@ -373,6 +373,8 @@ def test_health_url_of_a_port_that_speaks_no_http_is_one_line():
                          capture_output=True, text=True, timeout=60)
     server.close()
     assert run.returncode == 1 and url in run.stderr and "Traceback" not in run.stderr, run.stderr
+    # it printed the frame's bytes; now it names the likely mistake
+    assert "a gRPC port?" in run.stderr and "\\x00" not in run.stderr and "\x00" not in run.stderr, run.stderr
 
 
 def test_health_url_of_a_services_metrics_port_is_no_health_reply(services):
