@@ -17,7 +17,7 @@ import threading
 from specdec.argtypes import (  # noqa: F401
     device as device_arg,
     LOGPROBS_MODES, MAX_TIMEOUT_S, MAX_WAIT_MS, AddressList, add_client_security_args, add_decode_steps_arg, gamma_arg,
-    log_level, port, positive,
+    log_level, port, positive, string_list,
 )
 from specdec.errors import SpecDecError
 
@@ -394,6 +394,16 @@ def _add_gateway_parser(sub) -> None:
     gw.add_argument("--api-key", default=None,
                     help="clients must send `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
                          "(prefer $SPECDEC_GATEWAY_API_KEY: a flag shows in ps)")
+    # vLLM's CORS flags, with its defaults: a browser page of any origin may call the API (the
+    # API key, if any, still guards /v1/*)
+    gw.add_argument("--allowed-origins", type=string_list("--allowed-origins"), default=("*",),
+                    help='origins a browser may call from: a JSON list, as vLLM\'s, or comma-separated (default "*")')
+    gw.add_argument("--allowed-methods", type=string_list("--allowed-methods"), default=("*",),
+                    help='HTTP methods allowed cross-origin (default "*")')
+    gw.add_argument("--allowed-headers", type=string_list("--allowed-headers"), default=("*",),
+                    help='request headers allowed cross-origin (default "*")')
+    gw.add_argument("--allow-credentials", action="store_true",
+                    help="let cross-origin requests carry cookies and HTTP authentication")
     gw.add_argument("--served-model-name", nargs="+", default=None,
                     help="model names clients may ask for (the first is reported); default: the verifier's model name "
                          "without its runtime tag, as /v1/models lists it (a folder or hub id: --model as given; the "

@@ -158,7 +158,7 @@ def gateway_command(args: argparse.Namespace) -> int:
     if not args.drafter and (drafting := drafting_flags(args)):  # before the imports below (torch): told at once
         raise ValueError(f"{', '.join(drafting)}: drafting flags need a --drafter (without one the gateway decodes "
                          "target-only)")
-    from gateway import GatewayConfig, UpstreamConfig
+    from gateway import CORS, GatewayConfig, UpstreamConfig
     from gateway.server import serve
     from specdec_rpc.ops import read_token
     logging.basicConfig(level=args.log_level.upper(),
@@ -176,7 +176,10 @@ def gateway_command(args: argparse.Namespace) -> int:
     if any(not name.strip() for name in names):
         raise ValueError("--served-model-name: a model name may not be empty")
     limit = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
-    config = GatewayConfig(upstream=upstream, api_key=args.api_key or None, served_model_names=tuple(names), **limit)
+    cors = CORS(allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+    config = GatewayConfig(upstream=upstream, api_key=args.api_key or None, served_model_names=tuple(names),
+                           cors=cors, **limit)
     serve(config, args.host, args.port, grace_s=args.grace_s, ssl_certfile=args.ssl_certfile,
           ssl_keyfile=args.ssl_keyfile, log_level=args.log_level)
     return 0

@@ -28,6 +28,7 @@ from typing import AsyncIterator
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
@@ -67,11 +68,21 @@ except PackageNotFoundError:  # run from a source tree that was never installed
 
 
 @dataclass(frozen=True)
+class CORS:
+    """Cross-origin requests from browser pages (vLLM's --allowed-origins, ... and defaults)."""
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     upstream: UpstreamConfig
     api_key: str | None = None  # clients must send `Authorization: Bearer <api_key>` to /v1/*
     served_model_names: tuple[str, ...] = ()  # default: the verifier's model name
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413; 0: no limit
+    cors: CORS = CORS()
 
 
 class _ClientGone(Exception):
@@ -234,6 +245,12 @@ def create_app(config: GatewayConfig, upstream: Upstream | None = None) -> FastA
         app.add_exception_handler(exc_class, handler)
     app.add_middleware(_FrontDoor, api_key=config.api_key, metrics=gateway.metrics,
                        max_request_bytes=config.max_request_bytes)
+    # Outermost (added last): it answers a browser's preflight itself and puts its headers on every
+    # answer, the 401s and 413s of the front door included, so a page can read why it was refused.
+    app.add_middleware(CORSMiddleware, allow_origins=list(config.cors.allowed_origins),
+                       allow_methods=list(config.cors.allowed_methods),
+                       allow_headers=list(config.cors.allowed_headers),
+                       allow_credentials=config.cors.allow_credentials)
     return app
 
 
@@ -540,7 +557,8 @@ class _FrontDoor:
             await send(message)
 
         try:
-            if self._key_digest is not None and path.startswith(_KEYED) and not self._authorized(scope):
+            if (self._key_digest is not None and path.startswith(_KEYED) and scope["method"] != "OPTIONS"
+                    and not self._authorized(scope)):  # a browser's preflight carries no key (as vLLM's check)
                 err = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
                                code="invalid_api_key")
                 response = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})

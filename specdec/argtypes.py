@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 MAX_WAIT_MS = 60_000.0  # --max-wait-ms above this is a typo (inf overflowed queue.get and stopped the engine)
@@ -61,6 +62,27 @@ def positive_list(name: str, kind=int):
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def string_list(name: str):
+    """vLLM's form, a JSON list ('["https://a.example", "https://b.example"]'), or a comma-separated
+    one ('https://a.example,https://b.example'), as a tuple of strings."""
+    def parse(text: str) -> tuple[str, ...]:
+        text = text.strip()
+        if text.startswith("["):
+            try:
+                values = json.loads(text)
+            except ValueError as exc:
+                raise argparse.ArgumentTypeError(f"{name}: not a JSON list: {exc}") from None
+            if not all(isinstance(v, str) for v in values):
+                raise argparse.ArgumentTypeError(f"{name}: a JSON list of strings, got {text}")
+        else:
+            values = [v.strip() for v in text.split(",")]
+        if not values or not all(values):
+            raise argparse.ArgumentTypeError(f"{name}: an empty entry in {text!r}")
+        return tuple(values)
+
+    return parse
 
 
 def log_level(text: str) -> str:

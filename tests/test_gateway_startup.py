@@ -229,3 +229,30 @@ def test_after_a_redeploy_with_another_model_the_gateway_serves_the_new_one(tmp_
             assert roots and roots[0].startswith(models["new"]), (roots, gw.output[-20:])
             reply = oai.completions.create(model="", prompt="Hello", max_tokens=2, extra_body={"ignore_eos": True})
             assert reply.usage.completion_tokens == 2 and reply.model.startswith(models["new"])
+
+
+def test_browser_pages_get_cors_headers_as_from_vllm_and_an_origin_list_restricts_them():
+    """vLLM's CORS defaults (any origin, method and header): a browser's preflight is answered
+    without the API key it cannot carry, and a refusal (401) carries the headers so the page can
+    read it. --allowed-origins (here from the environment, comma-separated) restricts them. Before,
+    a preflight got 405 and no answer carried Access-Control-Allow-Origin."""
+    preflight = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    with ExitStack() as stack:
+        open_gw, narrow_gw = (stack.enter_context(start_service(
+            "gateway", ["--verifier", UNREACHABLE, "--api-key", "k", "--log-level", "WARNING"], env=env))
+            for env in ({}, {"SPECDEC_GATEWAY_ALLOWED_ORIGINS": "https://ui.example,https://b.example"}))
+        for gw in (open_gw, narrow_gw):
+            reply = httpx.options(f"http://{gw.address}/v1/chat/completions", headers=preflight)
+            assert reply.status_code == 200, reply.text
+            assert reply.headers["access-control-allow-origin"] in ("*", "https://ui.example")
+            assert "POST" in reply.headers["access-control-allow-methods"]
+            assert "authorization" in reply.headers["access-control-allow-headers"].lower()
+            refused = httpx.get(f"http://{gw.address}/v1/models", headers={"Origin": "https://ui.example"})
+            assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] in (
+                "*", "https://ui.example")
+        other = {**preflight, "Origin": "https://elsewhere.example"}
+        assert httpx.options(f"http://{open_gw.address}/v1/chat/completions", headers=other).status_code == 200
+        assert httpx.options(f"http://{narrow_gw.address}/v1/chat/completions", headers=other).status_code == 400
+        plain = httpx.get(f"http://{narrow_gw.address}/health", headers={"Origin": "https://elsewhere.example"})
+        assert "access-control-allow-origin" not in plain.headers
