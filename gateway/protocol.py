@@ -577,7 +577,7 @@ class TokenizeRequest(BaseModel):
     """vLLM's /tokenize: a completion's `prompt` or a chat's `messages` (with the chat
     template's options), tokenized exactly as that request would be."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # a field vLLM's /tokenize lacks: ignored and logged, as there
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
@@ -591,6 +591,7 @@ class TokenizeRequest(BaseModel):
 
     def as_request(self) -> CompletionRequest | ChatCompletionRequest:
         """The completion or chat request whose prompt this is: its checks and its encoding."""
+        _log_ignored(self)
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("prompt", "give either prompt or messages")
         special = {} if self.add_special_tokens is None else {"add_special_tokens": self.add_special_tokens}
@@ -607,9 +608,17 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
     model: str | None = None
     tokens: list[int]
+
+    def model_post_init(self, __context: Any) -> None:
+        _log_ignored(self)
+
+
+def _log_ignored(request: BaseModel) -> None:
+    if request.model_extra:
+        log.info("request fields ignored: %s", ", ".join(sorted(request.model_extra)))
 
 
 def models_list(names: list[str], root: str, max_context: int, created: int) -> dict:
