@@ -439,10 +439,14 @@ class SpeculativeClient:
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise ValueError(f"messages[{i}] must be a dict with a string 'role', got {m!r}")
-            if not isinstance(m.get("content"), (str, list)) and not m.get("tool_calls"):
-                raise ValueError(f"messages[{i}] ({m['role']}) needs a 'content' string, got {m.get('content')!r}")
-            if isinstance(m["content"], str):
+            if not isinstance(m.get("content"), (str, list, type(None))):
+                raise ValueError(f"messages[{i}] ({m['role']}) needs a 'content' string or list of parts, "
+                                 f"got {m.get('content')!r}")
+            if isinstance(m.get("content"), str):
                 _check_text(m["content"], f"messages[{i}].content")
+        # No content (an assistant's tool call, or none given) is the empty string, as the gateway and
+        # vLLM read it: a template's `message['content'] | trim` fails on None.
+        messages = [m if m.get("content") is not None else {**m, "content": ""} for m in messages]
         tokenizer = tokenizer or self.tokenizer
         try:
             ids = tokenizer.apply_chat_template(

@@ -238,8 +238,9 @@ def test_the_python_client_takes_text_token_ids_or_chat_messages_and_names_what_
                            "min_tokens masks every allowed token")):
         with pytest.raises(ValueError, match=expected):  # also before any session opens
             client.generate("hello", greedy.replace(**bad))
-    for bad_chat, expected in (([{"role": "user"}], r"messages\[0\] \(user\) needs a 'content' string"),
-                               ([{"role": "user", "content": 5}], "needs a 'content' string"),
+    # no content is the empty string, as the gateway and vLLM read it (the client refused it before)
+    assert client.encode_chat([{"role": "user"}]) == client.encode_chat([{"role": "user", "content": ""}])
+    for bad_chat, expected in (([{"role": "user", "content": 5}], r"messages\[0\] \(user\) needs a 'content' string"),
                                ([{"content": "hi"}], r"messages\[0\] must be a dict with a string 'role'")):
         with pytest.raises(ValueError, match=expected):
             client.generate(bad_chat, greedy)
