@@ -380,6 +380,7 @@ class AdaptiveGamma:
         goodput of all running sessions with a load model (`costs`), else this session's own rate."""
         hi = self.gamma_max if limit is None else max(self.gamma_min, min(self.gamma_max, limit))
         if self.costs is not None and self.costs.disabled and not self.deterministic:
+            self.probing = False  # a probe chosen before the cap is over: its rounds are no probe's
             return self.gamma_min
         best = self.best_gamma(hi)
         self.probing = False

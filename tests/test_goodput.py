@@ -156,6 +156,19 @@ def test_controller_follows_the_verifiers_disable_flag():
     assert ctl.next_gamma() > 0
 
 
+def test_a_probe_chosen_before_the_cap_engaged_is_over_once_the_cap_holds():
+    """The client runs a probe's rounds one decode step each: a generation mid-probe when the
+    verifier's cap (or the shared-GPU cap) engaged kept `probing` set and ran one-step rounds for
+    good instead of 4-step ones."""
+    costs = ServingCosts(decode_steps=4)
+    ctl = AdaptiveGamma(gamma_min=0, gamma_max=8, costs=costs, probe_every=0, probe_gamma=2)
+    _accept_all(ctl)
+    _feed(costs, 16, lambda t: 20.0 + 0.05 * t, lambda r: 4.0 + 3.0 * r)
+    assert ctl.next_gamma() == 2 and ctl.probing  # every γ 0 round is due a probe here
+    costs.verifier_disabled = True
+    assert ctl.next_gamma() == 0 and not ctl.probing
+
+
 def test_controller_without_a_load_model_chooses_zero_from_its_own_costs():
     """A session's own measurements: drafts that cost more than a verify step are not worth it."""
     ctl = AdaptiveGamma(gamma_min=0, gamma_max=8, decay=0.5, probe_every=1000)
