@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from bench.serve import WorkloadConfig, _call_timeout, _fmt, add_efficiency, run_serve
+from bench.serve import WorkloadConfig, _call_timeout, _fmt, add_efficiency, prime_prompts, run_serve
 from client.speculative import AUTO, SpeculativeClient
 
 TARGET_ONLY = "target-only"
@@ -62,6 +62,7 @@ def run_compare(base: WorkloadConfig, variants: list[str], repeats: int = 1) -> 
                            recovery_timeout_s=_call_timeout(base), decode_steps=base.decode_steps,
                            batch_verify=True,  # as serve and sweep send their steps (and the gateway)
                            **base.client_security()) as client:
+        primed = prime_prompts(client, base)  # no variant meets a prompt length first
         for rep in range(repeats):
             shift = rep % len(parsed)
             this = {name: run_serve(base.replace(**changes), client)
@@ -80,6 +81,7 @@ def run_compare(base: WorkloadConfig, variants: list[str], repeats: int = 1) -> 
         "dataset": base.dataset,
         "num_prompts": base.num_prompts,
         "repeats": repeats,
+        "primed": primed,
         "variants": [{"variant": name, **result} for name, result in rows],
     }
 

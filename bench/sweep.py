@@ -3,8 +3,10 @@ run speculative and target-only back to back (so every point has its own baselin
 system efficiency), one JSON with all points, one table (plus both modes of each point per
 category), one PNG.
 
-Before each measured run an unmeasured wave of requests at the point's concurrency and
-max_tokens (`serve.warm_up`), so no measured request pays a new shape's first cost. Per
+Before a point's two modes, each of its prompts is prefilled once (`serve.prime_prompts`), so
+neither mode meets a prompt length first; before each measured run an unmeasured wave of
+requests at the point's concurrency and max_tokens (`serve.warm_up`), so no measured request
+pays a new batch shape's first cost. Per
 point, against the engines (see bench/serve.py): host ms beside device ms per round, the
 engine-bound tokens/s of each mode and the measured tokens/s against it, the ideal speedup
 from the engines' device times and the measured speedup against it."""
@@ -15,7 +17,9 @@ import math
 from datetime import datetime, timezone
 from typing import Sequence
 
-from bench.serve import WorkloadConfig, _call_timeout, _fmt, _json_rate, add_efficiency, run_serve, warm_up
+from bench.serve import (
+    WorkloadConfig, _call_timeout, _fmt, _json_rate, add_efficiency, prime_prompts, run_serve, warm_up,
+)
 from client.speculative import SpeculativeClient
 
 
@@ -55,9 +59,11 @@ def run_sweep(base: WorkloadConfig, concurrency: Sequence[int] = (), request_rat
                            batch_verify=True,  # one VerifyBatch per step, as the gateway sends them
                            **base.client_security()) as client:
         bar = tqdm(total=2 * len(settings), desc="sweep", unit="run", disable=not base.show_progress)
+        primed_prompts: set = set()
         for changes, label in settings:
             bar.set_postfix_str(label)
             runs, warmups = {}, {}
+            primed = prime_prompts(client, base.replace(**changes), primed_prompts) if warmup else None
             for mode, target_only in (("speculative", False), ("target_only", True)):
                 config = base.replace(target_only=target_only, **changes)
                 if warmup:
@@ -68,7 +74,7 @@ def run_sweep(base: WorkloadConfig, concurrency: Sequence[int] = (), request_rat
             add_efficiency(spec, target)
             points.append({"label": label, **{k: _json_rate(v) if k == "request_rate" else v
                                               for k, v in changes.items()},
-                           "speculative": spec, "target_only": target, "warmup": warmups,
+                           "speculative": spec, "target_only": target, "warmup": warmups, "primed": primed,
                            **point_efficiency(spec, target)})
         bar.close()
     return {

@@ -285,6 +285,10 @@ def test_sweep_writes_a_png_and_both_modes_per_point(drafter_proc, verifier_proc
     assert png.read_bytes()[:8] == PNG_MAGIC
     res = json.loads(out.read_text())
     assert [p["max_concurrency"] for p in res["points"]] == [1, 2]
+    # each prompt is prefilled once before the first point's modes (neither meets a prompt length
+    # first: on one H100 the mode that did ran 0.57x); the second point's prompts are the same
+    assert [p["primed"]["requests"] for p in res["points"]] == [2, 0]
+    assert res["points"][0]["primed"]["failed"] == 0
     for point in res["points"]:
         assert point["speculative"]["mode"] == "speculative" and point["speculative"]["completed"] == 2
         assert point["target_only"]["mode"] == "target-only" and point["target_only"]["completed"] == 2

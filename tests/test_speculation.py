@@ -450,6 +450,7 @@ def test_bench_compare_runs_every_variant_against_its_target_only(verifier_proc,
     result = run_compare(base, ["gamma=3", "gamma=3,fanout=2", "gamma=auto"], repeats=2)
     names = [v["variant"] for v in result["variants"]]
     assert names == ["target-only", "gamma=3", "gamma=3,fanout=2", "gamma=auto"]
+    assert result["primed"] == {**result["primed"], "requests": 2, "failed": 0}  # each prompt prefilled first
     outputs = {v["variant"]: [r["output_tokens"] for r in v["per_request"]] for v in result["variants"]}
     assert len({tuple(o) for o in outputs.values()}) == 1  # greedy: every variant emits the same lengths
     for v in result["variants"][1:]:
