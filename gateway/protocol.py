@@ -132,8 +132,11 @@ class _Sampling(BaseModel):
             log.info("request fields ignored: %s", ", ".join(sorted(extra)))
         if self.n is not None and self.n < 1:
             raise bad_request("n", f"n must be >= 1, got {self.n}")
-        if self.best_of not in (None, 1, self.n or 1):  # best_of > n would rank choices by logprob: not done
-            raise bad_request("best_of", f"best_of must equal n ({self.n or 1}), got {self.best_of}")
+        if self.best_of is not None and self.best_of < (self.n or 1):  # vLLM's rule
+            raise bad_request("best_of", f"best_of must be >= n ({self.n or 1}), got {self.best_of}")
+        if self.best_of not in (None, self.n or 1):  # best_of > n would rank choices by logprob: not done
+            raise bad_request("best_of", f"best_of > n is not supported: set it to n ({self.n or 1}) or leave it out, "
+                                         f"got {self.best_of}")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options", "stream_options needs stream=true")
         if self.stream and self.prompt_logprobs is not None:  # vLLM's rule (an echoed prompt's logprobs do stream)

@@ -434,6 +434,7 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
               "return_tokens_as_token_ids": {"logprobs": True, "extra_body": {"return_tokens_as_token_ids": True}},
               "return_token_ids": {"extra_body": {"return_token_ids": True}},  # ignored before: no ids came back
               "best_of on chat": {"extra_body": {"best_of": 3}},  # ignored before, refused on completions
+              "best_of below n": {"n": 2, "extra_body": {"best_of": 1}},  # vLLM's 400; accepted before
               "use_beam_search": {"extra_body": {"use_beam_search": True}},
               "top_k=-5": {"extra_body": {"top_k": -5}},
               # past the wire's int32 / 0 as its float32: refused by name (a bare 'Value out of range'
@@ -480,6 +481,7 @@ def _bad(oai, model, base_url, case: str) -> httpx.Response | openai.APIStatusEr
     ("return_tokens_as_token_ids", 400, "return_tokens_as_token_ids", None),
     ("return_token_ids", 400, "return_token_ids", None),
     ("best_of on chat", 400, "best_of", None),
+    ("best_of below n", 400, "best_of", None),
     ("response_format on completions", 400, "response_format", None),
     ("a prompt batch past 64 choices", 400, "prompt", None),
     ("a body that is a JSON array", 400, None, "invalid_json"),
