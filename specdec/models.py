@@ -267,7 +267,12 @@ TOKENIZER_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")
 
 
 def tokenizer_source(spec: ModelSpec) -> str:
-    return spec.model if not spec.is_embedded else EMBEDDED
+    """Where a client loads this model's tokenizer (ModelInfo.tokenizer_source): a local folder
+    as an absolute path, since a client on the same host runs from another directory (a relative
+    --model sent it looking for a hub id of that name)."""
+    if spec.is_embedded:
+        return EMBEDDED
+    return str(Path(spec.model).resolve()) if Path(spec.model).is_dir() else spec.model
 
 
 def load_tokenizer(spec: ModelSpec):

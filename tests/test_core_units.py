@@ -647,3 +647,16 @@ def test_engines_share_a_device_on_cpus_or_one_gpu_uuid():
     from specdec_rpc.adapters import model_info_from_pb, model_info_to_pb
 
     assert model_info_from_pb(model_info_to_pb(info("cuda", gpu_a))) == info("cuda", gpu_a)  # on the wire too
+
+
+def test_a_local_model_folders_tokenizer_source_is_absolute(tmp_path, monkeypatch):
+    """A service started with a relative --model told clients to load the tokenizer from that
+    relative path: a client running from another directory then looked for a hub id of that
+    name. A folder is sent as its absolute path; a hub id and the embedded model as given."""
+    from specdec.models import EMBEDDED, ModelSpec, tokenizer_source
+
+    (tmp_path / "tiny").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert tokenizer_source(ModelSpec(model="tiny")) == str((tmp_path / "tiny").resolve())
+    assert tokenizer_source(ModelSpec(model="HuggingFaceTB/SmolLM2-135M-Instruct")) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert tokenizer_source(ModelSpec()) == EMBEDDED
