@@ -193,6 +193,9 @@ def test_compose_mounts_the_model_cache_volume_at_specdec_cache(compose):
     assert "model-cache" in compose["volumes"]
     for name, service in compose["services"].items():
         assert f"model-cache:{CACHE_DIR}" in service["volumes"], name
+        # every service, loadgen too (its own list replaces the anchor's): bench loads the tokenizer
+        # of a VERIFIER_MODEL=/models/user/<folder> from there
+        assert "${MODELS_DIR:-./models}:/models/user:ro" in service["volumes"], name
         assert service["environment"]["SPECDEC_CACHE"] == CACHE_DIR, name
 
 
