@@ -490,6 +490,10 @@ class CausalLM:
                 setattr(owner, name, quantize_dynamic(getattr(owner, name), {torch.nn.Linear}, dtype=torch.qint8))
                 # GPT-2's Conv1D blocks hold no nn.Linear: nothing is quantized there
                 quantized = any("quantized" in type(m).__module__ for m in getattr(owner, name).modules())
+                if not quantized:  # it ran float32 while its name said the --dtype asked for
+                    log.warning("--quantize int8: no decoder linear of this model is an nn.Linear; it runs "
+                                "unquantized in %s", spec.dtype)
+                    model = model.to(DTYPES[spec.dtype])
             if spec.quantize == "int4" and blocks is not None:
                 import copy
 

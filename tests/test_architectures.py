@@ -109,6 +109,10 @@ def test_quantized_models_of_other_layouts_load_and_run(tmp_path, arch):
     if arch == "gpt2":  # int4 packs no Conv1D either: it ran unquantized yet served as "[bfloat16+int4]"
         int4 = CausalLM(ModelSpec(model=path, quantize="int4", prefill_dtype="none"))
         assert int4.spec.quantize is None and int4.spec.display_name.endswith("[bfloat16]")
+        # and int8 asked beside float16 ran float32 weights under the name "[float16]"
+        half = CausalLM(ModelSpec(model=path, dtype="float16", quantize="int8", prefill_dtype="none"))
+        assert half.spec.display_name.endswith("[float16]")
+        assert {p.dtype for p in half.model.parameters()} == {torch.float16}
 
 
 def _padded_pair(tmp_path, pad: int = 64) -> tuple[str, str, str]:
