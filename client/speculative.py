@@ -664,8 +664,10 @@ class SpeculativeClient:
                 # A side whose cache is empty (first round, new session) prefills in this round,
                 # which would skew the adaptive cost estimates.
                 steady = bool(gen.drafter.kv) and bool(gen.verifier.kv)
+                fallbacks = gen.result.drafter_fallback_rounds
                 drafts, proposal, draft_s = await self._draft_round(gen, gamma)
-                steps = self._decode_steps(gen) if not drafts else 1
+                lost = gen.result.drafter_fallback_rounds > fallbacks  # no drafter answered this round
+                steps = self._decode_steps(gen, drafter_lost=lost) if not drafts else 1
                 response, verify_s = await self._verify_round(gen, drafts, proposal, steps)
                 if gen.controller is not None and steady and steps == 1:
                     # (a round of several steps is no sample of one round's cost at γ 0)
@@ -787,16 +789,19 @@ class SpeculativeClient:
         await self._collect_prefill(gen, block=gamma > 0 and block)
         return gamma if link.prefill is None else 0
 
-    def _decode_steps(self, gen: "_Generation") -> int:
+    def _decode_steps(self, gen: "_Generation", drafter_lost: bool = False) -> int:
         """Target-only steps for a round without drafts: 1 for a generation's first round (its
         first token is the TTFT), while the drafter catches up in the background (drafts come
         back soon) and for a probe that could not draft; else up to decode_steps, within
         max_tokens (a seeded run stays a prefix of a longer one: its tokens are keyed by
-        position, whatever the rounds)."""
+        position, whatever the rounds). drafter_lost: no drafter answered this round."""
         if gen.result.num_rounds == 0 or gen.drafter.prefill is not None:
             return 1
-        if gen.gamma_max and gen.controller is None:
-            return 1  # a fixed γ's rounds without drafts are its last (max_tokens), or wait for its drafter
+        if gen.gamma_max and gen.controller is None and not drafter_lost:
+            # A fixed γ's other rounds without drafts are its last (max_tokens) or wait for its
+            # drafter; without one, it ran a call per token until the drafter came back (1,848
+            # rounds for 1,900 tokens after a drafter was killed)
+            return 1
         if gen.controller is not None and gen.controller.probing:
             return 1
         remaining = gen.output.params.max_tokens - len(gen.result.token_ids)

@@ -170,3 +170,27 @@ def test_a_closed_client_loop_drops_late_grpc_events_instead_of_raising():
     plain.close()
     with pytest.raises(RuntimeError, match="closed"):
         plain.call_soon_threadsafe(ran.append, 3)
+
+
+def test_a_fixed_gammas_rounds_without_a_drafter_run_several_decode_steps():
+    """A fixed γ's rounds without drafts ran one token a call: right for its last rounds and
+    while its drafter prefills, but after the drafter was lost it ran 1,848 rounds for 1,900
+    tokens. Rounds that no drafter answered now take up to decode_steps tokens."""
+    from types import SimpleNamespace
+
+    from client.speculative import SpeculativeClient
+
+    client = SimpleNamespace(decode_steps=4)
+
+    def gen(**changes) -> SimpleNamespace:
+        base = dict(result=SimpleNamespace(num_rounds=5, token_ids=[0] * 10),
+                    drafter=SimpleNamespace(prefill=None), gamma_max=4, controller=None,
+                    output=SimpleNamespace(params=SimpleNamespace(max_tokens=100)))
+        return SimpleNamespace(**{**base, **changes})
+
+    steps = SpeculativeClient._decode_steps
+    assert steps(client, gen()) == 1  # a fixed γ waiting for its drafter, or its last rounds
+    assert steps(client, gen(), drafter_lost=True) == 4
+    assert steps(client, gen(output=SimpleNamespace(params=SimpleNamespace(max_tokens=12))), drafter_lost=True) == 2
+    assert steps(client, gen(result=SimpleNamespace(num_rounds=0, token_ids=[])), drafter_lost=True) == 1  # the TTFT
+    assert steps(client, gen(gamma_max=0)) == 4  # target-only
