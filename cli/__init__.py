@@ -497,6 +497,7 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
                                             "directory (GPU end-to-end runs without weights)")
     r.add_argument("--preset", required=True, help="target-1.5b, drafter-270m, smollm2-135m or tiny")
     r.add_argument("--out", required=True, help="directory to write (config, safetensors, tokenizer)")
+    r.add_argument("--overwrite", action="store_true", help="replace the model already in --out")
     r.add_argument("--tokenizer", default="embedded", help="model whose tokenizer (and vocabulary size) to use")
     r.add_argument("--seed", type=int, default=0, help="same preset and seed: same weights (a copy drafter)")
     r.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
@@ -631,6 +632,9 @@ def main(argv: list[str] | None = None) -> int:
 
             if os.path.exists(args.out) and not os.path.isdir(args.out):
                 raise ValueError(f"--out {args.out!r} is a file; it must name a folder (new or existing)")
+            held = [os.path.join(args.out, *sub) for sub in ([], ["target"]) if not args.overwrite]
+            if any(os.path.exists(os.path.join(d, "config.json")) for d in held):  # a model of one's own, maybe
+                raise ValueError(f"--out {args.out!r} already holds a model; pass --overwrite to replace it")
             if args.pair:
                 return _random_pair(args)
             if args.divergence is not None or args.acceptance is not None or args.drafter_layers is not None:

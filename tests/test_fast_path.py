@@ -255,6 +255,14 @@ def test_random_model_directories_load_as_service_models(tmp_path, target_lm):
         assert out.returncode == 0, out.stderr
     a, b = (load_file(tmp_path / n / "model.safetensors") for n in ("a", "b"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # a folder that holds a model is not overwritten unasked (it replaced a hunt's own Qwen2 model)
+    again = [sys.executable, "-m", "cli", "random-model", "--preset", "tiny", "--out", str(tmp_path / "a"),
+             "--dtype", "float32", "--seed", "1"]
+    out = subprocess.run(again, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "already holds a model; pass --overwrite" in out.stderr, out.stderr
+    kept = load_file(tmp_path / "a" / "model.safetensors")
+    assert all(torch.equal(kept[k], a[k]) for k in a)
+    assert subprocess.run([*again, "--overwrite"], capture_output=True, timeout=300).returncode == 0
     lm = CausalLM(ModelSpec(model=str(tmp_path / "a"), dtype="float32", fast_path="on"))
     assert lm.vocab_size == target_lm.vocab_size
     assert lm.tokenizer_fingerprint == target_lm.tokenizer_fingerprint  # the client's pairing check holds
