@@ -852,8 +852,8 @@ class SpeculativeClient:
         # One engine step (no chunked prompt, no background prefill of ours competing for a
         # shared host's cores) is a sample of the verifier's step cost.
         self.costs(verifier.server.address).observe_verify(
-            load_from_pb(response.load), verify_s,
-            fit=len(committed) - keep <= 2 and gen.drafter.prefill is None and decode_steps == 1)
+            load_from_pb(response.load), verify_s, fit=len(committed) - keep <= 2 and gen.drafter.prefill is None,
+            steps=len(response.output_token_ids) if decode_steps > 1 else 1)
         verifier.kv = committed + list(response.output_token_ids[:-1])
         _check_kv("verifier", response.kv_length, len(verifier.kv))
         result.verify_time_s += verify_s

@@ -161,16 +161,19 @@ class ServingCosts:
         with self._lock:
             return self.verify.weight >= self.MIN_VERIFY_SAMPLES and self.draft.weight >= self.MIN_DRAFT_SAMPLES
 
-    def observe_verify(self, load, latency_s: float, fit: bool = True) -> None:
-        """load: the verifier's EngineLoad for one call; fit: the call was one engine step
-        (no chunked prefill), so its cost and overhead are a sample of the model."""
+    def observe_verify(self, load, latency_s: float, fit: bool = True, steps: int = 1) -> None:
+        """load: the verifier's EngineLoad for one call; fit: the call ran no chunked prefill, so
+        its cost and overhead are a sample of the model; steps: the engine steps it ran (a round
+        of several decode steps reports their summed time, and the last step's tokens)."""
         with self._lock:
             self.reported_running = max(1, load.running_sessions)
             self.verifier_disabled = load.speculation_disabled
             if fit and load.step_tokens > 0:
-                step_s = load.step_ms / 1e3
-                self.verify.add(load.step_tokens, step_s)
-                over = max(0.0, latency_s - step_s - load.queue_ms / 1e3)
+                # Target-only rounds of several steps are samples too: without them, once γ 0 won
+                # only probes fed the fit (3 tokens wide), and a slope misread from a few of them
+                # kept γ at 0 at concurrency 1 for whole generations
+                self.verify.add(load.step_tokens, load.step_ms / 1e3 / max(1, steps))
+                over = max(0.0, latency_s - load.step_ms / 1e3 - load.queue_ms / 1e3)
                 self.verify_overhead = self._mix(self.verify_overhead, over, self.verify.weight)
 
     def observe_draft(self, load, latency_s: float, steps: int) -> None:

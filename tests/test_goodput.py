@@ -156,6 +156,19 @@ def test_controller_follows_the_verifiers_disable_flag():
     assert ctl.next_gamma() > 0
 
 
+def test_a_round_of_several_decode_steps_is_one_step_sample_and_one_calls_overhead():
+    """A 4-step target-only round reports its steps' summed engine time: the fit takes a
+    step's share at the step's width and the call's overhead once. Such rounds were left out,
+    so under γ 0 only probes fed the fit, and a slope misread from them held γ at 0."""
+    costs = ServingCosts(decode_steps=4)
+    for _ in range(20):  # 4 steps of 40 ms at one row, 2 ms of call beyond them
+        costs.observe_verify(EngineLoad(running_sessions=1, step_rows=1, step_tokens=1, step_ms=160.0),
+                             latency_s=0.162, steps=4)
+    assert costs.verify(1) == pytest.approx(0.040)
+    assert costs.verify_overhead == pytest.approx(0.002)
+    assert costs.round_s(0) == pytest.approx(0.040 + 0.002 / 4)
+
+
 def test_a_probe_chosen_before_the_cap_engaged_is_over_once_the_cap_holds():
     """The client runs a probe's rounds one decode step each: a generation mid-probe when the
     verifier's cap (or the shared-GPU cap) engaged kept `probing` set and ran one-step rounds for
