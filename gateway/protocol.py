@@ -592,9 +592,11 @@ class TokenizeRequest(BaseModel):
     documents: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
+    def model_post_init(self, __context: Any) -> None:
+        _log_ignored(self)
+
     def as_request(self) -> CompletionRequest | ChatCompletionRequest:
         """The completion or chat request whose prompt this is: its checks and its encoding."""
-        _log_ignored(self)
         if (self.prompt is None) == (self.messages is None):
             raise bad_request("prompt", "give either prompt or messages")
         special = {} if self.add_special_tokens is None else {"add_special_tokens": self.add_special_tokens}

@@ -39,8 +39,9 @@ uses it (SmartSpec, arXiv 2406.14066):
 
 o_d, o_v are what a call costs beyond its engine steps (gRPC, serialization), measured as
 latency minus reported engine time; k is the target-only steps a round without drafts runs
-(`decode_steps`: one call for k tokens, so its overhead is shared by k of them). The terms add up because on a shared host the two
-engines take turns on the cores (with separate devices this is the latency of one round,
+(`decode_steps`: one call for k tokens, so its overhead is shared by k of them). The terms
+add up because on a shared host the two engines take turns on the cores (with separate
+devices this is the latency of one round,
 and the overlap between sessions is a bonus the model does not count). γ = 0 wins when
 batched drafting and wide verifies cost more than they save; sessions then run target-only
 rounds, and every `probe_every` of them one short round re-measures α and the drafter, so

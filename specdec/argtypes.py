@@ -74,11 +74,11 @@ def string_list(name: str):
                 values = json.loads(text)
             except ValueError as exc:
                 raise argparse.ArgumentTypeError(f"{name}: not a JSON list: {exc}") from None
-            if not all(isinstance(v, str) for v in values):
-                raise argparse.ArgumentTypeError(f"{name}: a JSON list of strings, got {text}")
-        else:
-            values = [v.strip() for v in text.split(",")]
-        if not values or not all(values):
+            if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
+                raise argparse.ArgumentTypeError(f"{name}: a JSON list of non-empty strings, got {text}")
+            return tuple(values)  # [] allows none, as in vLLM
+        values = [v.strip() for v in text.split(",")]
+        if not all(values):
             raise argparse.ArgumentTypeError(f"{name}: an empty entry in {text!r}")
         return tuple(values)
 

@@ -660,3 +660,19 @@ def test_a_local_model_folders_tokenizer_source_is_absolute(tmp_path, monkeypatc
     assert tokenizer_source(ModelSpec(model="tiny")) == str((tmp_path / "tiny").resolve())
     assert tokenizer_source(ModelSpec(model="HuggingFaceTB/SmolLM2-135M-Instruct")) == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert tokenizer_source(ModelSpec()) == EMBEDDED
+
+
+def test_list_flags_take_vllms_json_lists_or_commas():
+    """--allowed-origins and its kin: vLLM takes a JSON list ('[]' allows none); a comma-separated
+    list reads better in an environment variable. Empty entries are refused by name."""
+    import argparse
+
+    from specdec.argtypes import string_list
+
+    parse = string_list("--allowed-origins")
+    assert parse('["https://a.example", "https://b.example"]') == ("https://a.example", "https://b.example")
+    assert parse("https://a.example, https://b.example") == ("https://a.example", "https://b.example")
+    assert parse("[]") == () and parse("*") == ("*",)
+    for bad in ("a,,b", "[1]", '[""]', "[x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--allowed-origins"):
+            parse(bad)
