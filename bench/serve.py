@@ -637,9 +637,15 @@ def warm_up(client: SpeculativeClient, config: WorkloadConfig) -> dict:
     Returns {"requests", "failed", "seconds"}."""
     n = max(2, config.max_concurrency or config.num_prompts)
     wave = config.replace(num_prompts=n, request_rate=math.inf, show_progress=False, seed=config.seed + 7919)
+    return _unmeasured(client, build_requests(client, wave), wave, _gamma(client, wave))
+
+
+def _unmeasured(client: SpeculativeClient, requests: Sequence[BenchRequest], config: WorkloadConfig,
+                gamma: int | str) -> dict:
+    """Send `requests` as `config` says, measuring nothing: {"requests", "failed", "seconds"}."""
     t0 = time.perf_counter()
-    records, _ = dispatch(client, build_requests(client, wave), wave, _gamma(client, wave))
-    return {"requests": n, "failed": sum(not r.ok for r in records), "seconds": time.perf_counter() - t0}
+    records, _ = dispatch(client, requests, config, gamma)
+    return {"requests": len(requests), "failed": sum(not r.ok for r in records), "seconds": time.perf_counter() - t0}
 
 
 def prime_prompts(client: SpeculativeClient, config: WorkloadConfig, seen: set | None = None) -> dict:
@@ -658,10 +664,8 @@ def prime_prompts(client: SpeculativeClient, config: WorkloadConfig, seen: set |
         return {"requests": 0, "failed": 0, "seconds": 0.0}
     once = config.replace(target_only=True, request_rate=math.inf, show_progress=False,
                           params=config.params.replace(max_tokens=1, min_tokens=0))
-    t0 = time.perf_counter()
-    records, _ = dispatch(client, requests, once, 0)
     seen.update(r.prompt_ids for r in requests)
-    return {"requests": len(requests), "failed": sum(not r.ok for r in records), "seconds": time.perf_counter() - t0}
+    return _unmeasured(client, requests, once, 0)
 
 
 def workload_keys(config: WorkloadConfig) -> dict:

@@ -632,8 +632,9 @@ def main(argv: list[str] | None = None) -> int:
 
             if os.path.exists(args.out) and not os.path.isdir(args.out):
                 raise ValueError(f"--out {args.out!r} is a file; it must name a folder (new or existing)")
-            held = [os.path.join(args.out, *sub) for sub in ([], ["target"]) if not args.overwrite]
-            if any(os.path.exists(os.path.join(d, "config.json")) for d in held):  # a model of one's own, maybe
+            # a model of one's own, maybe (a pair's target sits in OUT/target)
+            held = (os.path.join(args.out, *sub, "config.json") for sub in ((), ("target",)))
+            if not args.overwrite and any(map(os.path.exists, held)):
                 raise ValueError(f"--out {args.out!r} already holds a model; pass --overwrite to replace it")
             if args.pair:
                 return _random_pair(args)

@@ -268,11 +268,12 @@ TOKENIZER_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json")
 
 def tokenizer_source(spec: ModelSpec) -> str:
     """Where a client loads this model's tokenizer (ModelInfo.tokenizer_source): a local folder
-    as an absolute path, since a client on the same host runs from another directory (a relative
-    --model sent it looking for a hub id of that name)."""
+    or GGUF file as an absolute path (read as _resolve reads it), since a client on the same host
+    runs from another directory (a relative --model sent it looking for a hub id of that name)."""
     if spec.is_embedded:
         return EMBEDDED
-    return str(Path(spec.model).resolve()) if Path(spec.model).is_dir() else spec.model
+    path = Path(spec.model).expanduser()
+    return str(path.resolve()) if path.exists() else spec.model
 
 
 def load_tokenizer(spec: ModelSpec):

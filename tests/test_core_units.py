@@ -658,6 +658,8 @@ def test_a_local_model_folders_tokenizer_source_is_absolute(tmp_path, monkeypatc
     (tmp_path / "tiny").mkdir()
     monkeypatch.chdir(tmp_path)
     assert tokenizer_source(ModelSpec(model="tiny")) == str((tmp_path / "tiny").resolve())
+    (tmp_path / "tiny" / "m.gguf").write_bytes(b"")  # a GGUF file given by its relative path: the same
+    assert tokenizer_source(ModelSpec(model="tiny/m.gguf")) == str((tmp_path / "tiny" / "m.gguf").resolve())
     assert tokenizer_source(ModelSpec(model="HuggingFaceTB/SmolLM2-135M-Instruct")) == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert tokenizer_source(ModelSpec()) == EMBEDDED
 
